@@ -1,0 +1,155 @@
+// Runs the broadcasts of one spbcast::broadcast call on the user's group: at most
+// options.max_in_flight outstanding, each wait bounded by options.timeout, and any failure of
+// the group turned into a spbcast::transport_error that names the rank, the broadcast number,
+// the phase and the root.
+#pragma once
+
+#include "../error.hpp"
+#include "../group.hpp"
+#include "../options.hpp"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace spbcast::detail {
+
+// Buffers of broadcasts that failed while possibly still in flight inside the backend. They
+// are kept alive until the process exits, so a late write by the backend can never land in
+// freed memory. Only failures put anything here.
+inline void quarantine(std::vector<at::Tensor> buffers) {
+    static std::mutex mutex;
+    static auto* kept = new std::vector<at::Tensor>();  // never destroyed: outlives backends
+    std::lock_guard<std::mutex> lock(mutex);
+    for (auto& b : buffers) kept->push_back(std::move(b));
+}
+
+// The n-th spbcast::broadcast on this group from this thread (ranks as threads each count
+// their own), for error messages.
+inline std::uint64_t next_sequence(const void* group) {
+    thread_local std::unordered_map<const void*, std::uint64_t> counts;
+    return ++counts[group];
+}
+
+// Extra time on top of options.timeout before we stop waiting ourselves: the backend is given
+// the same timeout and normally reports first, with its own, more precise message.
+inline constexpr std::chrono::milliseconds wait_grace{2000};
+
+template <class Group>
+class collective {
+    using work_type = decltype(std::declval<Group&>().broadcast(
+        std::declval<std::vector<at::Tensor>&>(), std::declval<const c10d::BroadcastOptions&>()));
+
+public:
+    collective(Group& group, const options& opts, std::uint64_t sequence)
+        : group_(group), opts_(opts), sequence_(sequence), rank_(group.getRank()) {
+        broadcast_options_.rootRank = opts.root;
+        broadcast_options_.rootTensor = 0;
+        broadcast_options_.timeout = opts.timeout;
+    }
+    collective(const collective&) = delete;
+    collective& operator=(const collective&) = delete;
+
+    ~collective() {
+        if (pending_.empty()) return;
+        std::vector<at::Tensor> buffers;
+        for (auto& p : pending_) buffers.push_back(p.buffer);
+        quarantine(std::move(buffers));
+    }
+
+    // Starts broadcasting `buffer` (sent on the root, received elsewhere); `on_done` runs when
+    // it has completed. Waits for the oldest outstanding broadcast first if too many are.
+    void launch(at::Tensor buffer, std::string phase, std::function<void()> on_done = {}) {
+        while (pending_.size() >= std::max<std::size_t>(opts_.max_in_flight, 1)) finish_oldest();
+        pending p{{}, buffer, std::move(phase), std::move(on_done), {buffer}};
+        try {
+            p.work = group_.broadcast(p.tensors, broadcast_options_);
+        } catch (const std::exception& e) {
+            fail(p.phase, e.what());
+        }
+        pending_.push_back(std::move(p));
+    }
+
+    void run(at::Tensor buffer, std::string phase) {
+        launch(std::move(buffer), std::move(phase));
+        wait_all();
+    }
+
+    void wait_all() {
+        while (!pending_.empty()) finish_oldest();
+    }
+
+    int rank() const { return rank_; }
+    std::uint64_t sequence() const { return sequence_; }
+    const options& opts() const { return opts_; }
+
+    // "rank 1: broadcast #7 from root 0" - the prefix of every message about this call.
+    std::string where() const {
+        return "spbcast: rank " + std::to_string(rank_) + ": broadcast #" +
+               std::to_string(sequence_) + " from root " + std::to_string(opts_.root);
+    }
+
+private:
+    struct pending {
+        work_type work;
+        at::Tensor buffer;
+        std::string phase;
+        std::function<void()> on_done;
+        std::vector<at::Tensor> tensors;
+    };
+
+    void finish_oldest() {
+        pending& p = pending_.front();
+        try {
+            wait(p.work);
+        } catch (const std::exception& e) {
+            fail(p.phase, e.what());
+        }
+        auto on_done = std::move(p.on_done);
+        pending_.pop_front();
+        if (on_done) on_done();
+    }
+
+    void wait(work_type& work) {
+        const auto limit = opts_.timeout + wait_grace;
+        if constexpr (requires { work->wait(limit); }) {
+            if (!work->wait(limit)) throw std::runtime_error("timed out waiting for the backend");
+        } else if constexpr (requires { work->wait(); }) {
+            work->wait();
+        } else if constexpr (requires { work.wait(); }) {
+            work.wait();
+        }
+    }
+
+    [[noreturn]] void fail(const std::string& phase, const std::string& what) {
+        const bool timed_out = what.find("imed out") != std::string::npos ||
+                               what.find("imeout") != std::string::npos;
+        throw transport_error(
+            timed_out ? errc::timeout : errc::transport,
+            where() + " failed in phase '" + phase + "' (" +
+                (timed_out ? "timed out after options.timeout = " +
+                                 std::to_string(opts_.timeout.count()) + " ms"
+                           : std::string("the process group failed")) +
+                "): " + what +
+                "\nA peer has probably died or stopped calling spbcast::broadcast on this group; "
+                "the group is unusable now - restart the job (raise options.timeout if peers are "
+                "only slow).",
+            phase);
+    }
+
+    Group& group_;
+    const options& opts_;
+    std::uint64_t sequence_;
+    int rank_;
+    c10d::BroadcastOptions broadcast_options_;
+    std::deque<pending> pending_;
+};
+
+}  // namespace spbcast::detail

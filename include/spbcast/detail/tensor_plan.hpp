@@ -1,0 +1,550 @@
+// The tensors of one batch and how their bytes travel.
+//
+// Root: every tensor met while encoding is added once per TensorImpl (a second reference is the
+// same table index, so aliases survive) and grouped by storage (views share one storage
+// entry). Per storage only the bytes its views touch are sent: the span [lo, hi), or, when the
+// views touch a small part of a large span (a strided slice), each view's elements gathered -
+// whichever is smaller, so a storage never costs more than sending its tensors contiguously.
+// Storages then go into transfer slots: large spans alone and in place (no copy on the root,
+// received straight into their final storage), the rest coalesced into buckets.
+//
+// Follower: the same tables, read back and validated against the limits before any
+// allocation; storages are allocated, filled from the slots, and the tensors rebuilt as views
+// with the root's dtypes, sizes, strides, relative offsets and flags.
+#pragma once
+
+#include "../error.hpp"
+#include "../options.hpp"
+#include "bytes.hpp"
+#include "dtype.hpp"
+#include "version.hpp"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace spbcast::detail {
+
+inline constexpr std::uint32_t no_slot = std::numeric_limits<std::uint32_t>::max();
+inline constexpr std::uint32_t undefined_tensor = std::numeric_limits<std::uint32_t>::max();
+inline constexpr std::uint64_t storage_alignment = 16;  // the widest element (complex128)
+inline constexpr std::uint64_t bucket_alignment = 64;
+
+enum tensor_flags : std::uint8_t { requires_grad_flag = 1, conj_flag = 2, neg_flag = 4 };
+
+struct tensor_meta {
+    c10::ScalarType dtype;
+    std::uint8_t flags = 0;
+    std::uint32_t storage = 0;
+    std::int64_t offset = 0;  // in elements, relative to the storage's lo
+    std::vector<std::int64_t> sizes, strides;
+};
+
+struct storage_meta {
+    std::uint64_t nbytes = 0;      // hi - lo: what the follower allocates
+    bool gather = false;           // wire carries each view's elements instead of the span
+    std::uint32_t slot = no_slot;
+    std::uint64_t slot_offset = 0;
+    std::uint64_t wire_bytes = 0;
+    std::vector<std::uint32_t> tensors;  // referencing tensors, in table order (not sent)
+};
+
+struct slot_meta {
+    bool in_place = false;
+    std::uint64_t bytes = 0;
+    std::vector<std::uint32_t> storages;  // in storage order (not sent)
+};
+
+// Sizes with every stride-0 dimension narrowed to one element: what a view of an expanded
+// tensor really holds. Used for gathering, so an expand costs its source, not its expansion.
+inline std::vector<std::int64_t> distinct_sizes(const tensor_meta& t) {
+    std::vector<std::int64_t> sizes = t.sizes;
+    for (std::size_t d = 0; d < sizes.size(); ++d)
+        if (t.strides[d] == 0 && sizes[d] > 1) sizes[d] = 1;
+    return sizes;
+}
+
+inline std::int64_t numel_of(const std::vector<std::int64_t>& sizes) {
+    std::int64_t n = 1;
+    for (auto s : sizes) n *= s;
+    return n;
+}
+
+// A view of `storage` that reads the same bytes as a tensor of `dtype`, but typed as an
+// integer of the same width, so copies move bits and never values (NaN payloads, float8 without
+// copy kernels, conj/neg bits all stay exactly as stored).
+inline at::Tensor raw_bits_view(const c10::Storage& storage, c10::ScalarType dtype,
+                                std::int64_t offset, std::vector<std::int64_t> sizes,
+                                std::vector<std::int64_t> strides) {
+    const auto itemsize = static_cast<std::int64_t>(c10::elementSize(dtype));
+    c10::ScalarType bits = at::kByte;
+    switch (itemsize) {
+        case 1: bits = at::kByte; break;
+        case 2: bits = at::kShort; break;
+        case 4: bits = at::kInt; break;
+        default: bits = at::kLong; break;
+    }
+    if (itemsize > 8) {  // complex128: two int64 words per element
+        const std::int64_t words = itemsize / 8;
+        for (auto& s : strides) s *= words;
+        sizes.push_back(words);
+        strides.push_back(1);
+        offset *= words;
+    }
+    return at::empty({0}, at::TensorOptions().dtype(bits)).set_(storage, offset, sizes, strides);
+}
+
+inline void write_slots(byte_writer& out, const std::vector<slot_meta>& slots) {
+    out.put<std::uint32_t>(static_cast<std::uint32_t>(slots.size()));
+    for (const slot_meta& s : slots) {
+        out.put<std::uint8_t>(s.in_place ? 1 : 0);
+        out.put<std::uint64_t>(s.bytes);
+    }
+}
+
+inline std::vector<slot_meta> read_slots(byte_reader& in) {
+    const auto count = in.get<std::uint32_t>();
+    if (count > in.remaining() / 9) in.fail("slot count " + std::to_string(count) + " exceeds the frame");
+    std::vector<slot_meta> slots(count);
+    for (slot_meta& s : slots) {
+        s.in_place = in.get<std::uint8_t>() != 0;
+        s.bytes = in.get<std::uint64_t>();
+    }
+    return slots;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Root side
+
+class send_plan {
+public:
+    struct storage_source {
+        c10::Storage storage;  // keeps the bytes alive until the send completes
+        const std::uint8_t* base = nullptr;
+        std::uint64_t lo = std::numeric_limits<std::uint64_t>::max(), hi = 0;
+        std::uint64_t gather_bytes = 0;
+    };
+
+    // Adds a tensor (or finds it again) and returns its table index. `where` names the field
+    // for error messages; it is only called on failure.
+    std::uint32_t add(const at::Tensor& tensor, const limits& lim,
+                      const std::function<std::string()>& where) {
+        if (!tensor.defined()) return undefined_tensor;
+        auto* impl = tensor.unsafeGetTensorImpl();
+        if (auto found = by_impl_.find(impl); found != by_impl_.end()) return found->second;
+        check_sendable(tensor, lim, where);
+
+        c10::StorageImpl* storage_impl = tensor.storage().unsafeGetStorageImpl();
+        auto [entry, inserted] =
+            by_storage_.try_emplace(storage_impl, static_cast<std::uint32_t>(storages_.size()));
+        if (inserted) {
+            storages_.emplace_back();
+            sources_.push_back({tensor.storage(),
+                                static_cast<const std::uint8_t*>(tensor.storage().data())});
+        }
+        const std::uint32_t storage_index = entry->second;
+
+        tensor_meta meta;
+        meta.dtype = tensor.scalar_type();
+        meta.flags = static_cast<std::uint8_t>((tensor.requires_grad() ? requires_grad_flag : 0) |
+                                               (tensor.is_conj() ? conj_flag : 0) |
+                                               (tensor.is_neg() ? neg_flag : 0));
+        meta.storage = storage_index;
+        meta.offset = tensor.storage_offset();  // absolute until finish() rebases it
+        meta.sizes = tensor.sizes().vec();
+        meta.strides = tensor.strides().vec();
+
+        const auto itemsize = static_cast<std::uint64_t>(tensor.element_size());
+        const auto start = static_cast<std::uint64_t>(meta.offset) * itemsize;
+        storage_source& source = sources_[storage_index];
+        if (tensor.numel() > 0) {  // empty views touch no bytes and do not widen the span
+            source.lo = std::min(source.lo, start);
+            std::uint64_t last = static_cast<std::uint64_t>(meta.offset);
+            for (std::size_t d = 0; d < meta.sizes.size(); ++d)
+                last += static_cast<std::uint64_t>((meta.sizes[d] - 1) * meta.strides[d]);
+            source.hi = std::max(source.hi, (last + 1) * itemsize);
+            source.gather_bytes += static_cast<std::uint64_t>(numel_of(distinct_sizes(meta))) * itemsize;
+        }
+        const auto index = static_cast<std::uint32_t>(tensors_.size());
+        if (tensors_.size() >= lim.max_tensors)
+            throw error(errc::limit_exceeded,
+                        "more than limits.max_tensors = " + std::to_string(lim.max_tensors) +
+                            " distinct tensors (at " + where() +
+                            "); raise spbcast::options::limits.max_tensors on every rank");
+        tensors_.push_back(std::move(meta));
+        storages_[storage_index].tensors.push_back(index);
+        by_impl_.emplace(impl, index);
+        return index;
+    }
+
+    // Chooses span or gather per storage, rebases offsets, and assigns transfer slots.
+    void finish(const options& opts) {
+        std::uint64_t total = 0;
+        std::uint32_t open_bucket = no_slot;
+        for (std::uint32_t s = 0; s < storages_.size(); ++s) {
+            storage_meta& storage = storages_[s];
+            storage_source& source = sources_[s];
+            // Round lo down so that every view's rebased offset stays a whole element.
+            if (source.hi == 0) source.lo = 0;  // only empty views
+            source.lo = source.lo / storage_alignment * storage_alignment;
+            storage.nbytes = source.hi - source.lo;
+            storage.gather = source.gather_bytes < storage.nbytes && !has_internal_overlap(s);
+            storage.wire_bytes = storage.gather ? source.gather_bytes : storage.nbytes;
+            for (std::uint32_t t : storage.tensors) {
+                const auto itemsize = c10::elementSize(tensors_[t].dtype);
+                const auto start = static_cast<std::uint64_t>(tensors_[t].offset) * itemsize;
+                // An empty view below the span keeps offset 0: it reads nothing either way.
+                tensors_[t].offset =
+                    start < source.lo ? 0 : static_cast<std::int64_t>((start - source.lo) / itemsize);
+            }
+            total += storage.nbytes;
+            if (storage.wire_bytes == 0) continue;
+            if (!storage.gather && storage.wire_bytes >= opts.inplace_min_bytes) {
+                storage.slot = static_cast<std::uint32_t>(slots_.size());
+                slots_.push_back({true, storage.wire_bytes, {s}});
+                continue;
+            }
+            const std::uint64_t aligned =
+                open_bucket == no_slot ? 0
+                                       : (slots_[open_bucket].bytes + bucket_alignment - 1) /
+                                             bucket_alignment * bucket_alignment;
+            if (open_bucket == no_slot || (slots_[open_bucket].bytes != 0 &&
+                                           aligned + storage.wire_bytes > opts.bucket_bytes)) {
+                open_bucket = static_cast<std::uint32_t>(slots_.size());
+                slots_.push_back({false, 0, {}});
+                storage.slot_offset = 0;
+            } else {
+                storage.slot_offset = aligned;
+            }
+            storage.slot = open_bucket;
+            slots_[open_bucket].bytes = storage.slot_offset + storage.wire_bytes;
+            slots_[open_bucket].storages.push_back(s);
+        }
+        if (total > opts.limits.max_payload_bytes)
+            throw error(errc::limit_exceeded,
+                        "the batch holds " + std::to_string(total) +
+                            " tensor bytes, more than limits.max_payload_bytes = " +
+                            std::to_string(opts.limits.max_payload_bytes) +
+                            "; raise it on every rank or send a smaller batch");
+    }
+
+    void write_tensor_tables(byte_writer& out) const {
+        out.put<std::uint32_t>(static_cast<std::uint32_t>(tensors_.size()));
+        for (const tensor_meta& t : tensors_) {
+            out.put<std::uint8_t>(*dtype_code(t.dtype));
+            out.put<std::uint8_t>(t.flags);
+            out.put<std::uint8_t>(static_cast<std::uint8_t>(t.sizes.size()));
+            out.put<std::uint32_t>(t.storage);
+            out.put<std::int64_t>(t.offset);
+            for (auto v : t.sizes) out.put<std::int64_t>(v);
+            for (auto v : t.strides) out.put<std::int64_t>(v);
+        }
+        out.put<std::uint32_t>(static_cast<std::uint32_t>(storages_.size()));
+        for (const storage_meta& s : storages_) {
+            out.put<std::uint64_t>(s.nbytes);
+            out.put<std::uint8_t>(s.gather ? 1 : 0);
+            out.put<std::uint32_t>(s.slot);
+            out.put<std::uint64_t>(s.slot_offset);
+            out.put<std::uint64_t>(s.wire_bytes);
+        }
+    }
+
+    void write_slot_table(byte_writer& out) const { write_slots(out, slots_); }
+
+    // The bytes of slot `i` as a uint8 tensor: the storage itself for an in-place slot, a
+    // freshly packed bucket otherwise.
+    at::Tensor slot_tensor(std::uint32_t i) const {
+        const slot_meta& slot = slots_[i];
+        if (slot.in_place) {
+            const storage_source& source = sources_[slot.storages.front()];
+            return at::from_blob(const_cast<std::uint8_t*>(source.base + source.lo),
+                                 {static_cast<std::int64_t>(slot.bytes)}, at::kByte);
+        }
+        at::Tensor bucket = at::empty({static_cast<std::int64_t>(slot.bytes)}, at::kByte);
+        auto* out = bucket.data_ptr<std::uint8_t>();
+        for (std::uint32_t s : slot.storages) {
+            const storage_meta& storage = storages_[s];
+            const storage_source& source = sources_[s];
+            if (!storage.gather) {
+                std::memcpy(out + storage.slot_offset, source.base + source.lo, storage.nbytes);
+                continue;
+            }
+            std::uint64_t offset = storage.slot_offset;
+            for (std::uint32_t t : storage.tensors) {
+                const tensor_meta& meta = tensors_[t];
+                const auto sizes = distinct_sizes(meta);
+                const auto bytes =
+                    static_cast<std::uint64_t>(numel_of(sizes)) * c10::elementSize(meta.dtype);
+                if (bytes == 0) continue;
+                const auto itemsize = static_cast<std::int64_t>(c10::elementSize(meta.dtype));
+                at::Tensor src = raw_bits_view(source.storage, meta.dtype,
+                                               meta.offset + static_cast<std::int64_t>(source.lo) / itemsize,
+                                               sizes, meta.strides);
+                at::Tensor dst = at::from_blob(out + offset, src.sizes(), src.options());
+                dst.copy_(src);
+                offset += bytes;
+            }
+        }
+        return bucket;
+    }
+
+    const std::vector<slot_meta>& slots() const { return slots_; }
+    std::uint64_t payload_bytes() const {
+        std::uint64_t total = 0;
+        for (const auto& s : slots_) total += s.bytes;
+        return total;
+    }
+
+private:
+    static void check_sendable(const at::Tensor& t, const limits& lim,
+                               const std::function<std::string()>& where) {
+        auto reject = [&](const std::string& why, const std::string& fix) {
+            throw error(errc::unsupported_value,
+                        "cannot send the tensor at " + where() + ": " + why + "; " + fix);
+        };
+        if (!t.device().is_cpu())
+            reject("it is on device " + t.device().str(),
+                   "spbcast sends CPU tensors - move it with .cpu() in the loader or collator");
+        if (t.is_sparse() || t.layout() != at::kStrided)
+            reject("its layout is not strided (sparse or another layout)",
+                   "convert it with .to_dense() before broadcasting");
+        if (t.is_quantized())
+            reject("it is quantized", "send .int_repr() and the quantization parameters instead");
+        if (t.is_mkldnn()) reject("it is an MKLDNN tensor", "convert it with .to_dense()");
+        if (t.is_nested())
+            reject("it is a nested tensor", "send its components (unbind) as a list of tensors");
+        if (!t.has_storage())
+            reject("it has no storage (a wrapper or functional tensor)",
+                   "materialize it as a plain CPU tensor first");
+        if (!dtype_code(t.scalar_type()))
+            reject(std::string("its dtype ") + c10::toString(t.scalar_type()) +
+                       " has no spbcast wire code",
+                   "convert it to a supported dtype (README: 'Supported types')");
+        if (t.dim() > static_cast<std::int64_t>(lim.max_dims))
+            reject("it has " + std::to_string(t.dim()) + " dimensions, more than limits.max_dims = " +
+                       std::to_string(lim.max_dims),
+                   "raise limits.max_dims on every rank");
+    }
+
+    // Gathering writes each view's elements back on the follower; a view that overlaps
+    // itself (other than through stride 0, which distinct_sizes removes) would be written
+    // twice, so such storages are sent as a span.
+    bool has_internal_overlap(std::uint32_t s) const {
+        for (std::uint32_t t : storages_[s].tensors) {
+            const tensor_meta& meta = tensors_[t];
+            const auto sizes = distinct_sizes(meta);
+            std::vector<std::pair<std::int64_t, std::int64_t>> dims;  // (stride, size)
+            for (std::size_t d = 0; d < sizes.size(); ++d)
+                if (sizes[d] > 1) dims.emplace_back(meta.strides[d], sizes[d]);
+            std::sort(dims.begin(), dims.end());
+            std::int64_t reach = 1;  // elements spanned by the smaller-stride dimensions
+            for (auto [stride, size] : dims) {
+                if (stride < reach) return true;
+                reach = stride * (size - 1) + reach;
+            }
+        }
+        return false;
+    }
+
+    std::vector<tensor_meta> tensors_;
+    std::vector<storage_meta> storages_;
+    std::vector<storage_source> sources_;
+    std::vector<slot_meta> slots_;
+    std::unordered_map<const c10::TensorImpl*, std::uint32_t> by_impl_;
+    std::unordered_map<const c10::StorageImpl*, std::uint32_t> by_storage_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Follower side
+
+class receive_plan {
+public:
+    // The slot table comes first in every frame body and keeps its layout in every format
+    // version, so a follower can always drain the payload it was announced.
+    void read_slot_table(byte_reader& in) { slots_ = read_slots(in); }
+
+    // Reads and validates the tensor and storage tables. Nothing is allocated beyond the table
+    // vectors, whose lengths are checked against the limits and the frame size first.
+    void read_tensor_tables(byte_reader& in, const limits& lim) {
+        const auto tensor_count = in.get<std::uint32_t>();
+        if (tensor_count > lim.max_tensors || tensor_count > in.remaining() / 16)
+            in.fail("tensor count " + std::to_string(tensor_count) +
+                    " exceeds limits.max_tensors or the frame");
+        tensors_.resize(tensor_count);
+        for (tensor_meta& t : tensors_) {
+            const auto code = in.get<std::uint8_t>();
+            const auto dtype = dtype_from_code(code);
+            if (!dtype)
+                in.fail("dtype code " + std::to_string(code) +
+                        " is unknown to this LibTorch build (a newer dtype or a corrupt frame)");
+            t.dtype = *dtype;
+            t.flags = in.get<std::uint8_t>();
+            const auto dim = in.get<std::uint8_t>();
+            if (dim > lim.max_dims) in.fail("tensor with " + std::to_string(dim) + " dimensions");
+            t.storage = in.get<std::uint32_t>();
+            t.offset = in.get<std::int64_t>();
+            t.sizes.resize(dim);
+            t.strides.resize(dim);
+            for (auto& v : t.sizes) v = in.get<std::int64_t>();
+            for (auto& v : t.strides) v = in.get<std::int64_t>();
+        }
+        const auto storage_count = in.get<std::uint32_t>();
+        if (storage_count > tensor_count)
+            in.fail("more storages (" + std::to_string(storage_count) + ") than tensors");
+        storages_.resize(storage_count);
+        for (storage_meta& s : storages_) {
+            s.nbytes = in.get<std::uint64_t>();
+            s.gather = in.get<std::uint8_t>() != 0;
+            s.slot = in.get<std::uint32_t>();
+            s.slot_offset = in.get<std::uint64_t>();
+            s.wire_bytes = in.get<std::uint64_t>();
+        }
+        if (slots_.size() > storage_count)
+            in.fail("more transfer slots (" + std::to_string(slots_.size()) + ") than storages");
+        validate(in, lim);
+    }
+
+    // Allocates every storage. Called only once the frame has been validated.
+    void allocate() {
+        storage_data_.clear();
+        for (const storage_meta& s : storages_)
+            storage_data_.push_back(at::empty({static_cast<std::int64_t>(s.nbytes)}, at::kByte));
+    }
+
+    // Where slot `i` is received: straight into its storage when in place, else a bucket.
+    at::Tensor slot_receive_tensor(std::uint32_t i) const {
+        const slot_meta& slot = slots_[i];
+        if (slot.in_place) return storage_data_[slot.storages.front()];
+        return at::empty({static_cast<std::int64_t>(slot.bytes)}, at::kByte);
+    }
+
+    // Copies a received bucket into its storages (in-place slots need nothing).
+    void unpack_slot(std::uint32_t i, const at::Tensor& received) const {
+        const slot_meta& slot = slots_[i];
+        if (slot.in_place) return;
+        const auto* in = received.data_ptr<std::uint8_t>();
+        for (std::uint32_t s : slot.storages) {
+            const storage_meta& storage = storages_[s];
+            if (!storage.gather) {
+                std::memcpy(storage_data_[s].data_ptr<std::uint8_t>(), in + storage.slot_offset,
+                            storage.nbytes);
+                continue;
+            }
+            std::uint64_t offset = storage.slot_offset;
+            for (std::uint32_t t : storage.tensors) {
+                const tensor_meta& meta = tensors_[t];
+                const auto sizes = distinct_sizes(meta);
+                const auto bytes =
+                    static_cast<std::uint64_t>(numel_of(sizes)) * c10::elementSize(meta.dtype);
+                if (bytes == 0) continue;
+                at::Tensor dst = raw_bits_view(storage_data_[s].storage(), meta.dtype, meta.offset,
+                                               sizes, meta.strides);
+                at::Tensor src =
+                    at::from_blob(const_cast<std::uint8_t*>(in + offset), dst.sizes(), dst.options());
+                dst.copy_(src);
+                offset += bytes;
+            }
+        }
+    }
+
+    // The rebuilt tensors, in table order; equal indices are one tensor (aliases).
+    std::vector<at::Tensor> build_tensors() const {
+        std::vector<at::Tensor> out;
+        out.reserve(tensors_.size());
+        for (const tensor_meta& meta : tensors_) {
+            at::Tensor t = at::empty({0}, at::TensorOptions().dtype(meta.dtype))
+                               .set_(storage_data_[meta.storage].storage(), meta.offset,
+                                     meta.sizes, meta.strides);
+            if (meta.flags & conj_flag) t._set_conj(true);
+            if (meta.flags & neg_flag) t._set_neg(true);
+            if (meta.flags & requires_grad_flag) t.set_requires_grad(true);
+            out.push_back(std::move(t));
+        }
+        return out;
+    }
+
+    const std::vector<slot_meta>& slots() const { return slots_; }
+    std::size_t tensor_count() const { return tensors_.size(); }
+
+private:
+    void validate(byte_reader& in, const limits& lim) {
+        constexpr auto max_u64 = std::numeric_limits<std::uint64_t>::max();
+        std::uint64_t total = 0;
+        for (std::uint32_t s = 0; s < storages_.size(); ++s) {
+            storage_meta& storage = storages_[s];
+            if (storage.nbytes > lim.max_payload_bytes - std::min(total, lim.max_payload_bytes))
+                in.fail("storages exceed limits.max_payload_bytes = " +
+                        std::to_string(lim.max_payload_bytes));
+            total += storage.nbytes;
+            if (storage.slot == no_slot) {
+                if (storage.wire_bytes != 0) in.fail("a storage with bytes but no slot");
+                continue;
+            }
+            if (storage.slot >= slots_.size()) in.fail("storage slot out of range");
+            slot_meta& slot = slots_[storage.slot];
+            if (storage.slot_offset > slot.bytes || storage.wire_bytes > slot.bytes - storage.slot_offset)
+                in.fail("storage bytes outside their transfer slot");
+            if (!storage.gather && storage.wire_bytes != storage.nbytes)
+                in.fail("span storage whose wire size differs from its size");
+            if (slot.in_place && (storage.gather || storage.slot_offset != 0 ||
+                                  storage.wire_bytes != slot.bytes || !slot.storages.empty()))
+                in.fail("malformed in-place slot");
+            slot.storages.push_back(s);
+        }
+        std::uint64_t slot_total = 0;
+        for (const slot_meta& slot : slots_) {
+            if (slot.bytes > max_u64 - slot_total) in.fail("slot sizes overflow");
+            slot_total += slot.bytes;
+            if (slot.storages.empty()) in.fail("a transfer slot that no storage uses");
+        }
+        if (slot_total > lim.max_payload_bytes) in.fail("payload exceeds limits.max_payload_bytes");
+
+        std::vector<std::uint64_t> gathered(storages_.size(), 0);
+        for (std::uint32_t t = 0; t < tensors_.size(); ++t) {
+            tensor_meta& meta = tensors_[t];
+            if (meta.storage >= storages_.size()) in.fail("tensor storage index out of range");
+            if (meta.offset < 0) in.fail("negative storage offset");
+            const std::uint64_t itemsize = c10::elementSize(meta.dtype);
+            // Last element touched, computed without overflow; a view must lie inside its
+            // storage, so the rebuilt tensor can never read or write outside it.
+            bool empty = false;
+            std::uint64_t last = static_cast<std::uint64_t>(meta.offset);
+            std::uint64_t distinct = 1;
+            for (std::size_t d = 0; d < meta.sizes.size(); ++d) {
+                const auto size = meta.sizes[d], stride = meta.strides[d];
+                if (size < 0 || stride < 0) in.fail("negative size or stride");
+                if (size == 0) empty = true;
+                const auto extent = static_cast<std::uint64_t>(size == 0 ? 0 : size - 1);
+                if (stride != 0 && extent > (max_u64 / 4 - last) / static_cast<std::uint64_t>(stride))
+                    in.fail("tensor extent overflows");
+                last += extent * static_cast<std::uint64_t>(stride);
+                const auto kept = static_cast<std::uint64_t>(stride == 0 && size > 1 ? 1 : size);
+                if (kept != 0 && distinct > max_u64 / 4 / kept) in.fail("tensor size overflows");
+                distinct *= kept;
+            }
+            const storage_meta& storage = storages_[meta.storage];
+            if (!empty) {
+                if (last + 1 > storage.nbytes / itemsize)
+                    in.fail("tensor reaches past the end of its storage");
+                if (storage.gather) gathered[meta.storage] += distinct * itemsize;
+            }
+            storages_[meta.storage].tensors.push_back(t);
+        }
+        for (std::uint32_t s = 0; s < storages_.size(); ++s)
+            if (storages_[s].gather && gathered[s] != storages_[s].wire_bytes)
+                in.fail("gathered storage whose wire size does not match its views");
+    }
+
+    std::vector<tensor_meta> tensors_;
+    std::vector<storage_meta> storages_;
+    std::vector<slot_meta> slots_;
+    std::vector<at::Tensor> storage_data_;  // one uint8 tensor per storage
+};
+
+}  // namespace spbcast::detail

@@ -1,0 +1,45 @@
+// What spbcast needs from a process group: its rank, its size and a broadcast of CPU tensors.
+// c10d::ProcessGroup (both LibTorch generations), c10d::Backend / ProcessGroupGloo (2.x), a
+// c10::intrusive_ptr or std::shared_ptr to one of them, and a user's own transport with the
+// same three members all qualify.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <concepts>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+namespace spbcast {
+
+template <class G>
+concept process_group = requires(G& group, std::vector<at::Tensor>& tensors,
+                                 const c10d::BroadcastOptions& opts) {
+    { group.getRank() } -> std::convertible_to<int>;
+    { group.getSize() } -> std::convertible_to<int>;
+    { group.broadcast(tensors, opts) };
+    // The returned work handle is waited on: work->wait() or work.wait().
+};
+
+// A group argument: a group itself or anything that dereferences to one.
+template <class G>
+concept process_group_like = process_group<std::remove_cvref_t<G>> || requires(G& g) {
+    requires process_group<std::remove_reference_t<decltype(*g)>>;
+};
+
+namespace detail {
+
+template <class G>
+decltype(auto) group_of(G& group) {
+    if constexpr (process_group<G>) {
+        return (group);
+    } else {
+        return (*group);
+    }
+}
+
+}  // namespace detail
+
+}  // namespace spbcast

@@ -1,0 +1,38 @@
+// Options of one broadcast. An aggregate, so callers write spbcast::broadcast(b, g, {.root = 1}).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+
+namespace spbcast {
+
+// Upper bounds a follower enforces while decoding a frame, before it allocates anything. They
+// protect a follower from a corrupt or hostile frame; the root checks the same bounds before
+// sending, so a batch that breaks them fails on the root with a clear message.
+struct limits {
+    std::size_t max_frame_bytes = std::size_t{256} << 20;     // metadata frame body
+    std::size_t max_tensors = std::size_t{1} << 20;           // distinct tensors in one batch
+    std::size_t max_dims = 64;                                // dimensions of one tensor
+    std::uint64_t max_payload_bytes = std::uint64_t{1} << 40; // tensor bytes of one batch
+    std::size_t max_string_bytes = std::size_t{64} << 20;     // one string
+    std::size_t max_container_size = std::size_t{1} << 28;   // elements of one container
+    std::size_t max_depth = 512;                              // nesting of dynamic IValues
+};
+
+struct options {
+    int root = 0;  // group rank of the sender
+    // Bounds every wait of the broadcast; a dead or stuck peer becomes spbcast::transport_error.
+    std::chrono::milliseconds timeout = std::chrono::minutes(5);
+    // Storages smaller than this share coalesced buckets; larger ones are sent in place, with
+    // no packing copy on the root and received straight into their final storage.
+    std::size_t inplace_min_bytes = std::size_t{1} << 20;
+    std::size_t bucket_bytes = std::size_t{16} << 20;  // capacity of one coalescing bucket
+    std::size_t max_in_flight = 2;                     // payload collectives outstanding at once
+    // Adds one small collective after the payload that carries a checksum per transfer slot;
+    // followers verify it and raise errc::payload_corrupt on a mismatch.
+    bool checksum = false;
+    spbcast::limits limits = {};
+};
+
+}  // namespace spbcast

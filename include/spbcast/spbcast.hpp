@@ -1,0 +1,4 @@
+// Everything spbcast offers. Include only what you use if compile time matters.
+#pragma once
+
+#include "broadcast.hpp"

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs everything spbcast needs on a fresh Debian 12 machine, by package name:
+# the tool chain, Boost >= 1.81 (PFR, Hana), doctest, the distribution's LibTorch with Gloo,
+# libjpeg-turbo (the demo), and the PyTorch 2.13.0 CPU wheel in a virtual environment (the
+# second LibTorch generation, and the Python peers of the benchmarks).
+# Idempotent: a second run checks and returns in seconds.
+set -euo pipefail
+
+VENV="${SPBCAST_VENV:-$HOME/.cache/spbcast/venv}"
+TORCH_WHEEL_VERSION="2.13.0"
+DEBIAN_PACKAGES=(build-essential cmake ccache pkg-config python3 python3-venv
+                 libboost1.81-dev doctest-dev libtorch-dev libgloo-dev libturbojpeg0-dev
+                 iproute2 clang)
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+
+missing=()
+for p in "${DEBIAN_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "setup: installing Debian packages: ${missing[*]}"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+else
+    echo "setup: Debian packages present"
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "setup: creating $VENV"
+    python3 -m venv "$VENV"
+fi
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_WHEEL_VERSION')" 2>/dev/null; then
+    echo "setup: installing torch==$TORCH_WHEEL_VERSION (CPU) into $VENV"
+    "$VENV/bin/pip" install -q "torch==$TORCH_WHEEL_VERSION"
+fi
+if ! "$VENV/bin/python" -c "import numpy, matplotlib" 2>/dev/null; then
+    "$VENV/bin/pip" install -q numpy matplotlib
+fi
+echo "setup: PyTorch wheel $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') in $VENV"
+echo "setup: done"

@@ -1,0 +1,69 @@
+// N ranks as threads of this process, each with its own real Gloo process group on one shared
+// in-memory store (loopback TCP between the ranks). Every rank's exception is collected.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace spbcast_test {
+
+using namespace std::chrono_literals;
+
+inline c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo_group(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout = 20s) {
+    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+}
+
+// Runs body(rank, group) on `world` threads; returns each rank's exception (null if none).
+template <class Body>
+std::vector<std::exception_ptr> run_ranks_collect(int world, Body body,
+                                                  std::chrono::milliseconds timeout = 20s) {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    std::vector<std::exception_ptr> errors(world);
+    std::vector<std::thread> threads;
+    for (int rank = 0; rank < world; ++rank) {
+        threads.emplace_back([&, rank] {
+            try {
+                auto group = make_gloo_group(store, rank, world, timeout);
+                body(rank, *group);
+            } catch (...) {
+                errors[rank] = std::current_exception();
+            }
+        });
+    }
+    for (auto& t : threads) t.join();
+    return errors;
+}
+
+inline std::string message_of(const std::exception_ptr& e) {
+    try {
+        std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+        return ex.what();
+    } catch (...) {
+        return "unknown exception";
+    }
+}
+
+// Runs body on `world` ranks and fails the test with every rank's message if any rank threw.
+template <class Body>
+void run_ranks(int world, Body body, std::chrono::milliseconds timeout = 20s) {
+    const auto errors = run_ranks_collect(world, body, timeout);
+    std::string failures;
+    for (int r = 0; r < world; ++r)
+        if (errors[r]) failures += "\n  rank " + std::to_string(r) + ": " + message_of(errors[r]);
+    if (!failures.empty()) throw std::runtime_error("ranks failed:" + failures);
+}
+
+}  // namespace spbcast_test
