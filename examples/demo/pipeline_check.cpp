@@ -5,7 +5,7 @@
 // CPU generator moved by exactly one draw per underlying iterator creation. Prints a summary
 // with timings and exits non-zero if any check failed.
 //
-//   pipeline_check [--cache DIR] [--samples N] [--image-size PX] [--pack-length L]
+//   pipeline_check [--cache DIR] [--samples N] [--image-size PX] [--pack-length L] [--max-text-tokens N]
 //   pipeline_check --digest [same options]   prints the digest of the two-epoch stream
 //                                            (the check runs itself this way to compare runs)
 #include "dataset.hpp"
@@ -50,6 +50,7 @@ struct Options {
     int64_t samples = 96;
     int image_size = 224;
     int64_t pack_length = 2048;
+    int max_text_tokens = 512;
     bool digest = false;
 };
 
@@ -65,9 +66,10 @@ Options parse_options(int argc, char** argv) {
         else if (arg == "--samples") o.samples = std::stoll(value());
         else if (arg == "--image-size") o.image_size = std::stoi(value());
         else if (arg == "--pack-length") o.pack_length = std::stoll(value());
+        else if (arg == "--max-text-tokens") o.max_text_tokens = std::stoi(value());
         else if (arg == "--digest") o.digest = true;
         else throw std::invalid_argument("unknown option " + arg +
-                                         " (--cache DIR, --samples N, --image-size PX, --pack-length L, --digest)");
+                                         " (--cache DIR, --samples N, --image-size PX, --pack-length L, --max-text-tokens N, --digest)");
     }
     return o;
 }
@@ -77,11 +79,9 @@ demo::PipelineConfig config_for(const Options& o, int num_workers, bool persiste
     c.cache_dir = o.cache;
     c.num_samples = o.samples;
     c.image_size = o.image_size;
-    c.images_per_sample = 2;
-    c.video_frames = 4;
-    c.videos_ratio = 0.3;
-    c.max_text_tokens = 512;
+    c.max_text_tokens = o.max_text_tokens;
     c.pack_length = o.pack_length;
+    c.videos_ratio = 0.3;  // more videos than the default, so that the small dataset has some
     c.micro_batches = 2;
     c.num_workers = num_workers;
     c.persistent_workers = persistent;
@@ -436,12 +436,20 @@ int check(const Options& options, const std::string& self) {
     const std::vector<xtuner::Batch> epoch1(reference.batches.begin() + per_epoch, reference.batches.end());
     checks.expect(!differences(epoch0, epoch1).empty(), "epoch 1 is shuffled differently from epoch 0");
 
-    const Run two = run_checked(2, false, 2, {true, true});
-    checks.expect(differences(reference.batches, two.batches).empty(), "2 workers: bit-equal to 0 workers",
-                  differences(reference.batches, two.batches));
-    const Run persistent = run_checked(2, true, 1, {true, false});
-    checks.expect(differences(reference.batches, persistent.batches).empty(), "2 persistent workers: bit-equal to 0 workers",
-                  differences(reference.batches, persistent.batches));
+    // Scoped, so that only the reference batches stay in memory.
+    double two_seconds = 0, persistent_seconds = 0;
+    {
+        const Run two = run_checked(2, false, 2, {true, true});
+        const std::vector<std::string> diff = differences(reference.batches, two.batches);
+        checks.expect(diff.empty(), "2 workers: bit-equal to 0 workers", diff);
+        two_seconds = two.seconds;
+    }
+    {
+        const Run persistent = run_checked(2, true, 1, {true, false});
+        const std::vector<std::string> diff = differences(reference.batches, persistent.batches);
+        checks.expect(diff.empty(), "2 persistent workers: bit-equal to 0 workers", diff);
+        persistent_seconds = persistent.seconds;
+    }
 
     std::cout << "determinism\n";
     {
@@ -452,7 +460,8 @@ int check(const Options& options, const std::string& self) {
     {
         std::string command = std::string("'") + self + "' --digest --cache '" + options.cache.string() +
                               "' --samples " + std::to_string(options.samples) + " --image-size " +
-                              std::to_string(options.image_size) + " --pack-length " + std::to_string(options.pack_length);
+                              std::to_string(options.image_size) + " --pack-length " + std::to_string(options.pack_length) +
+                              " --max-text-tokens " + std::to_string(options.max_text_tokens);
         std::string output;
         if (FILE* pipe = ::popen(command.c_str(), "r")) {
             char buffer[256];
@@ -588,11 +597,11 @@ int check(const Options& options, const std::string& self) {
 
     std::cout << "PSS\n";
     std::vector<demo::PssPoint> points;
-    double two_worker_seconds = 0;
+    double sampled_seconds = 0;
     {
         demo::PssSampler sampler(std::chrono::milliseconds(20));
         demo::MediaLoader loader(config_for(options, 2, false));
-        two_worker_seconds = take(loader, 2).seconds;
+        sampled_seconds = take(loader, 2).seconds;
         points = sampler.stop();
     }
     int64_t low = INT64_MAX, high = 0;
@@ -612,6 +621,9 @@ int check(const Options& options, const std::string& self) {
     }
     const double decode_seconds = seconds_since(start);
     const int64_t samples = samples_in(reference.batches);
+    int64_t rows = 0;
+    for (const xtuner::Batch& b : reference.batches)
+        for (const xtuner::Item& item : b) rows += item.seq_ctx.pixel_values ? item.seq_ctx.pixel_values->size(0) : 0;
 
     std::cout << "\nsummary: " << checks.passed << " passed, " << checks.failed << " failed\n"
               << "  config: " << options.samples << " samples, image_size " << options.image_size << ", pack_length "
@@ -621,10 +633,11 @@ int check(const Options& options, const std::string& self) {
               << ", reuse check " << reuse_seconds * 1e3 << " ms\n"
               << "  decode, 1 thread: " << frames / decode_seconds << " frames/s, " << pixels / decode_seconds / 1e6
               << " Mpixel/s, " << jpeg_bytes / decode_seconds / 1e6 << " MB/s of JPEG\n"
-              << "  loader, 2 epochs (" << samples << " samples): 0 workers " << samples / reference.seconds
-              << " samples/s, 2 workers " << samples / two.seconds << " samples/s, 2 persistent "
-              << samples / persistent.seconds << " samples/s, 2 workers with PSS sampling "
-              << samples / two_worker_seconds << " samples/s\n"
+              << "  loader, 2 epochs (" << samples << " samples, " << rows << " patch rows, "
+              << (rows * demo::kPatchRowSize * 4 >> 20) << " MiB of pixel_values): 0 workers " << samples / reference.seconds
+              << " samples/s, 2 workers " << samples / two_seconds << " samples/s, 2 persistent "
+              << samples / persistent_seconds << " samples/s, 2 workers with PSS sampling "
+              << samples / sampled_seconds << " samples/s\n"
               << "  digest of the 2-epoch stream: " << digest << '\n';
     return checks.failed == 0 ? 0 : 1;
 }

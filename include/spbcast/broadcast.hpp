@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -183,47 +184,86 @@ void send(collective<Group>& c, const T& value) {
     c.wait_all();
 }
 
-template <class T, class Group>
-void receive(collective<Group>& c, T& value) {
+// A frame body that passed validation, and what the follower does with it next.
+struct parsed_frame {
+    receive_plan plan;
+    std::size_t values_offset = 0, values_size = 0;
+    // Set when this rank cannot use the batch (schema or version mismatch): the payload is
+    // drained first, then this is thrown.
+    std::exception_ptr mismatch;
+};
+
+// Validates a frame body against this rank's type and limits; no collectives, no payload, so
+// the fuzz target drives it directly. Throws spbcast::error for anything invalid.
+template <class T>
+parsed_frame parse_frame(const frame_header& header, const std::vector<std::uint8_t>& body,
+                         const limits& lim, const std::string& where, int root) {
+    byte_reader in(body.data(), body.size(), where + ": corrupt frame");
+    if (header.status == static_cast<std::uint16_t>(frame_status::error)) {
+        read_slots(in);
+        const std::string root_message = in.get_string(lim.max_string_bytes);
+        throw remote_error(where + ": the root (rank " + std::to_string(root) +
+                               ") failed and sent no batch: " + root_message,
+                           root, root_message);
+    }
+    if (header.status != static_cast<std::uint16_t>(frame_status::ok))
+        in.fail("unknown frame status " + std::to_string(header.status));
+    parsed_frame frame;
+    frame.plan.read_slot_table(in);
+    if (frame.plan.slots().size() != header.slot_count) in.fail("slot count differs from the header");
+    if (header.version != format_version) {
+        frame.mismatch = std::make_exception_ptr(error(
+            errc::version_mismatch,
+            where + ": the root sent wire format version " + std::to_string(header.version) +
+                ", this rank speaks version " + std::to_string(format_version) +
+                "; build every rank with the same spbcast release"));
+        return frame;
+    }
+    const std::string root_schema = in.get_string(lim.max_frame_bytes);
+    if (header.fingerprint != fingerprint_of<T> || root_schema != schema_of<T>) {
+        frame.mismatch = std::make_exception_ptr(schema_error(
+            where + ": this rank's batch type differs from the root's; build every rank from the "
+                    "same batch types.\n  this rank: " +
+                std::string(schema_of<T>) + "\n  the root:  " + root_schema + "\n  " +
+                schema_difference(schema_of<T>, root_schema),
+            std::string(schema_of<T>), root_schema));
+        return frame;
+    }
+    frame.values_size = in.get_count(lim.max_frame_bytes, 1, "value stream size");
+    frame.values_offset = in.offset();
+    in.get_bytes(frame.values_size);
+    frame.plan.read_tensor_tables(in, lim);
+    if (in.remaining() != 0) in.fail("trailing bytes after the tables");
+    return frame;
+}
+
+// Rebuilds the value once the payload is in the plan's storages.
+template <class T>
+T decode_value(const parsed_frame& frame, const std::vector<std::uint8_t>& body, const limits& lim,
+               const std::string& where) {
     static_assert(std::is_default_constructible_v<T> && std::is_move_assignable_v<T>,
                   "spbcast: the broadcast type must be default-constructible and "
                   "move-assignable (followers build a fresh value and move it in)");
+    const std::vector<at::Tensor> tensors = frame.plan.build_tensors();
+    byte_reader values(body.data() + frame.values_offset, frame.values_size, where + ": corrupt frame");
+    T result{};
+    decoder dec(values, tensors, lim);
+    dec.value(result);
+    if (values.remaining() != 0) values.fail("trailing bytes after the value");
+    return result;
+}
+
+template <class T, class Group>
+void receive(collective<Group>& c, T& value) {
     const options& opts = c.opts();
     auto [header, body] = receive_frame(c);
-    byte_reader in(body.data(), body.size(), c.where() + ": corrupt frame");
+    parsed_frame frame = parse_frame<T>(header, body, opts.limits, c.where(), opts.root);
+    if (frame.mismatch) {
+        drain_payload(c, header, frame.plan.slots());
+        std::rethrow_exception(frame.mismatch);
+    }
 
-    if (header.status == static_cast<std::uint16_t>(frame_status::error)) {
-        read_slots(in);
-        const std::string root_message = in.get_string(opts.limits.max_string_bytes);
-        throw remote_error(c.where() + ": the root (rank " + std::to_string(opts.root) +
-                               ") failed and sent no batch: " + root_message,
-                           opts.root, root_message);
-    }
-    receive_plan plan;
-    plan.read_slot_table(in);
-    if (plan.slots().size() != header.slot_count) in.fail("slot count differs from the header");
-    if (header.version != format_version) {
-        drain_payload(c, header, plan.slots());
-        throw error(errc::version_mismatch,
-                    c.where() + ": the root sent wire format version " +
-                        std::to_string(header.version) + ", this rank speaks version " +
-                        std::to_string(format_version) +
-                        "; build every rank with the same spbcast release");
-    }
-    const std::string root_schema = in.get_string(opts.limits.max_frame_bytes);
-    if (header.fingerprint != fingerprint_of<T> || root_schema != schema_of<T>) {
-        drain_payload(c, header, plan.slots());
-        throw schema_error(c.where() + ": this rank's batch type differs from the root's; build "
-                                       "every rank from the same batch types.\n  this rank: " +
-                               std::string(schema_of<T>) + "\n  the root:  " + root_schema +
-                               "\n  " + schema_difference(schema_of<T>, root_schema),
-                           std::string(schema_of<T>), root_schema);
-    }
-    const auto values_size = in.get_count(opts.limits.max_frame_bytes, 1, "value stream size");
-    byte_reader values(in.get_bytes(values_size), values_size, c.where() + ": corrupt frame");
-    plan.read_tensor_tables(in, opts.limits);
-    if (in.remaining() != 0) in.fail("trailing bytes after the tables");
-
+    receive_plan& plan = frame.plan;
     plan.allocate();
     const auto& slots = plan.slots();
     std::vector<std::uint64_t> checksums(slots.size());
@@ -242,7 +282,7 @@ void receive(collective<Group>& c, T& value) {
     }
     c.wait_all();
     if (trailer.defined() && opts.checksum) {
-        const auto* expected = reinterpret_cast<const std::uint64_t*>(trailer.data_ptr());
+        const auto* expected = static_cast<const std::uint64_t*>(trailer.data_ptr());
         for (std::size_t i = 0; i < slots.size(); ++i)
             if (checksums[i] != expected[i])
                 throw error(errc::payload_corrupt,
@@ -251,13 +291,7 @@ void receive(collective<Group>& c, T& value) {
                                 " bytes arrived corrupted (checksum mismatch); the transport "
                                 "damaged data - check the network and retry");
     }
-
-    const std::vector<at::Tensor> tensors = plan.build_tensors();
-    T result{};
-    decoder dec(values, tensors, opts.limits);
-    dec.value(result);
-    if (values.remaining() != 0) values.fail("trailing bytes after the value");
-    value = std::move(result);
+    value = decode_value<T>(frame, body, opts.limits, c.where());
 }
 
 }  // namespace detail

@@ -2,3 +2,5 @@
 #pragma once
 
 #include "broadcast.hpp"
+#include "digest.hpp"
+#include "dist.hpp"

@@ -178,6 +178,7 @@ public:
                             " distinct tensors (at " + where() +
                             "); raise spbcast::options::limits.max_tensors on every rank");
         tensors_.push_back(std::move(meta));
+        tensor_objects_.push_back(tensor);
         storages_[storage_index].tensors.push_back(index);
         by_impl_.emplace(impl, index);
         return index;
@@ -295,6 +296,7 @@ public:
     }
 
     const std::vector<slot_meta>& slots() const { return slots_; }
+    const std::vector<at::Tensor>& tensors() const { return tensor_objects_; }
     std::uint64_t payload_bytes() const {
         std::uint64_t total = 0;
         for (const auto& s : slots_) total += s.bytes;
@@ -326,7 +328,7 @@ private:
             reject(std::string("its dtype ") + c10::toString(t.scalar_type()) +
                        " has no spbcast wire code",
                    "convert it to a supported dtype (README: 'Supported types')");
-        if (t.dim() > static_cast<std::int64_t>(lim.max_dims))
+        if (static_cast<std::size_t>(t.dim()) > lim.max_dims)
             reject("it has " + std::to_string(t.dim()) + " dimensions, more than limits.max_dims = " +
                        std::to_string(lim.max_dims),
                    "raise limits.max_dims on every rank");
@@ -353,6 +355,7 @@ private:
     }
 
     std::vector<tensor_meta> tensors_;
+    std::vector<at::Tensor> tensor_objects_;
     std::vector<storage_meta> storages_;
     std::vector<storage_source> sources_;
     std::vector<slot_meta> slots_;

@@ -1,0 +1,121 @@
+// Process-group helpers for SP training: read the standard launcher environment, build the
+// store, and lay the ranks out as DP x SP Gloo groups (contiguous SP ranks, like a
+// ("dp", "sp", "tp") device mesh with tp = 1). The same program runs under
+// `torchrun --no-python` and under any launcher that sets the same variables.
+#pragma once
+
+#include "error.hpp"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+
+namespace spbcast::dist {
+
+// MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK as torchrun sets them.
+struct launch_env {
+    std::string master_addr;
+    int master_port = 0;
+    int rank = 0;
+    int world_size = 1;
+    int local_rank = 0;
+
+    static launch_env from_environment() {
+        auto read = [](const char* name, const char* fallback) -> std::string {
+            if (const char* v = std::getenv(name); v && *v) return v;
+            if (fallback) return fallback;
+            throw error(errc::invalid_argument,
+                        std::string("spbcast: the launcher variable ") + name +
+                            " is not set; run under torchrun --no-python, or set MASTER_ADDR, "
+                            "MASTER_PORT, RANK and WORLD_SIZE yourself");
+        };
+        auto number = [&](const char* name, const char* fallback) {
+            const std::string text = read(name, fallback);
+            try {
+                std::size_t used = 0;
+                const int n = std::stoi(text, &used);
+                if (used == text.size() && n >= 0) return n;
+            } catch (const std::exception&) {
+            }
+            throw error(errc::invalid_argument, std::string("spbcast: ") + name + "='" + text +
+                                                    "' is not a non-negative integer");
+        };
+        launch_env env;
+        env.master_addr = read("MASTER_ADDR", nullptr);
+        env.master_port = number("MASTER_PORT", nullptr);
+        env.rank = number("RANK", nullptr);
+        env.world_size = number("WORLD_SIZE", nullptr);
+        env.local_rank = number("LOCAL_RANK", "0");
+        if (env.world_size < 1 || env.rank >= env.world_size)
+            throw error(errc::invalid_argument,
+                        "spbcast: RANK=" + std::to_string(env.rank) + " is not below WORLD_SIZE=" +
+                            std::to_string(env.world_size));
+        return env;
+    }
+};
+
+// The job-wide store: rank 0 serves it on MASTER_ADDR:MASTER_PORT, the others connect.
+inline c10::intrusive_ptr<c10d::Store> make_store(const launch_env& env,
+                                                  std::chrono::milliseconds timeout) {
+    c10d::TCPStoreOptions opts;
+    opts.port = static_cast<std::uint16_t>(env.master_port);
+    opts.isServer = env.rank == 0;
+    opts.numWorkers = static_cast<std::size_t>(env.world_size);
+    opts.timeout = timeout;
+    return c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+}
+
+// The Gloo device: the interface named by GLOO_SOCKET_IFNAME (as in PyTorch), else the
+// address given (loopback by default, for ranks on one machine).
+inline c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo_group(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout, const std::string& hostname = "127.0.0.1") {
+    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+    if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
+        options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+    else
+        options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+}
+
+// This rank's place in a DP x SP layout and its two groups. SP groups are contiguous ranks:
+// with world 4 and sp 2, SP groups {0,1} {2,3}, DP groups {0,2} {1,3}.
+struct sp_layout {
+    int world_size = 1, sp_size = 1, dp_size = 1;
+    int rank = 0, sp_rank = 0, dp_rank = 0;
+    c10::intrusive_ptr<c10d::ProcessGroupGloo> sp_group, dp_group;
+
+    bool is_sp_leader() const { return sp_rank == 0; }
+    int sp_leader_global_rank() const { return dp_rank * sp_size; }
+};
+
+inline sp_layout make_sp_layout(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                int world_size, int sp_size, std::chrono::milliseconds timeout,
+                                const std::string& hostname = "127.0.0.1") {
+    if (sp_size < 1 || world_size % sp_size != 0)
+        throw error(errc::invalid_argument,
+                    "spbcast: rank " + std::to_string(rank) + ": the SP size " +
+                        std::to_string(sp_size) + " does not divide the world size " +
+                        std::to_string(world_size) + "; choose sp_size | world_size");
+    sp_layout layout;
+    layout.world_size = world_size;
+    layout.sp_size = sp_size;
+    layout.dp_size = world_size / sp_size;
+    layout.rank = rank;
+    layout.sp_rank = rank % sp_size;
+    layout.dp_rank = rank / sp_size;
+    // Each group rendezvouses under its own key prefix, among its own members only.
+    auto sp_store = c10::make_intrusive<c10d::PrefixStore>(
+        "spbcast/sp/" + std::to_string(layout.dp_rank), store);
+    layout.sp_group = make_gloo_group(sp_store, layout.sp_rank, sp_size, timeout, hostname);
+    auto dp_store = c10::make_intrusive<c10d::PrefixStore>(
+        "spbcast/dp/" + std::to_string(layout.sp_rank), store);
+    layout.dp_group = make_gloo_group(dp_store, layout.dp_rank, layout.dp_size, timeout, hostname);
+    return layout;
+}
+
+}  // namespace spbcast::dist

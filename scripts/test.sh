@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Builds spbcast's tests, examples and benchmarks against both LibTorch generations - the
+# distribution's libtorch-dev and the PyTorch 2.13 wheel - and runs every test (ctest) for each.
+#   ./scripts/test.sh              both generations
+#   ./scripts/test.sh system       only the distribution's LibTorch
+#   ./scripts/test.sh wheel        only the wheel
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${SPBCAST_VENV:-$HOME/.cache/spbcast/venv}"
+JOBS="${SPBCAST_JOBS:-2}"
+generations=("${@:-system wheel}")
+generations=(${generations[*]})
+
+for gen in "${generations[@]}"; do
+    case "$gen" in
+        system) torch_dir="$(dirname "$(find /usr/lib -path '*cmake/Torch/TorchConfig.cmake' | head -1)")" ;;
+        wheel) torch_dir="$("$VENV/bin/python" -c 'import torch, os; print(os.path.join(os.path.dirname(torch.__file__), "share/cmake/Torch"))')" ;;
+        *) echo "unknown LibTorch generation '$gen' (system, wheel)"; exit 2 ;;
+    esac
+    echo "=== spbcast: $gen LibTorch ($torch_dir)"
+    cmake -S . -B "build/$gen" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTorch_DIR="$torch_dir" \
+          -DSPBCAST_PYTHON="$VENV/bin/python" > "build-$gen.configure.log" 2>&1 \
+        || { cat "build-$gen.configure.log"; exit 1; }
+    grep "spbcast:" "build-$gen.configure.log"
+    cmake --build "build/$gen" -j"$JOBS"
+    (cd "build/$gen" && ctest --output-on-failure --timeout 900)
+done
