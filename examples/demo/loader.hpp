@@ -28,6 +28,7 @@
 // A pass runs from the loader's position to the end of its epoch. Taking an epoch's last batch
 // moves the loader to (epoch + 1, position 0), so the next begin() starts the next epoch and a
 // state saved at that moment resumes there. set_epoch() is for starting another epoch by hand.
+// One thread uses a loader and its passes; the workers are internal.
 #pragma once
 
 #include "../common/xtuner_batch.hpp"
@@ -220,8 +221,8 @@ public:
     std::string save_state() const { return sampler_.save_state(); }
 
     // Continues where save_state() was called, from the next begin(); the current pass ends.
-    // It does not create an iterator, so the next begin() draws a base seed exactly when it
-    // would have in the process that saved the state (new process: always).
+    // The iterator is left as it is: in a new process the first begin() draws a base seed, as
+    // the first iter() of a restarted PyTorch trainer does.
     void load_state(std::string_view state) {
         sampler_.load_state(state);
         if (sampler_.position() % config_.micro_batches != 0)

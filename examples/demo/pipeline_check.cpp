@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <iomanip>
 #include <iostream>
 #include <optional>
 #include <set>
@@ -625,19 +626,23 @@ int check(const Options& options, const std::string& self) {
     for (const xtuner::Batch& b : reference.batches)
         for (const xtuner::Item& item : b) rows += item.seq_ctx.pixel_values ? item.seq_ctx.pixel_values->size(0) : 0;
 
-    std::cout << "\nsummary: " << checks.passed << " passed, " << checks.failed << " failed\n"
+    const auto per_second = [](int64_t count, double seconds) { return static_cast<double>(count) / seconds; };
+    std::cout << std::fixed << std::setprecision(1) << "\nsummary: " << checks.passed << " passed, " << checks.failed
+              << " failed\n"
               << "  config: " << options.samples << " samples, image_size " << options.image_size << ", pack_length "
-              << options.pack_length << ", micro_batches 2, " << per_epoch << " batches per epoch\n"
-              << "  cache: " << files << " JPEG files, " << (jpeg_bytes >> 10) << " KiB; generated in "
-              << generate_seconds << " s" << (cache.generated ? "" : " (reused from an earlier run)")
-              << ", reuse check " << reuse_seconds * 1e3 << " ms\n"
-              << "  decode, 1 thread: " << frames / decode_seconds << " frames/s, " << pixels / decode_seconds / 1e6
-              << " Mpixel/s, " << jpeg_bytes / decode_seconds / 1e6 << " MB/s of JPEG\n"
-              << "  loader, 2 epochs (" << samples << " samples, " << rows << " patch rows, "
-              << (rows * demo::kPatchRowSize * 4 >> 20) << " MiB of pixel_values): 0 workers " << samples / reference.seconds
-              << " samples/s, 2 workers " << samples / two_seconds << " samples/s, 2 persistent "
-              << samples / persistent_seconds << " samples/s, 2 workers with PSS sampling "
-              << samples / sampled_seconds << " samples/s\n"
+              << options.pack_length << ", max_text_tokens " << options.max_text_tokens << ", micro_batches 2, "
+              << per_epoch << " batches per epoch\n"
+              << "  cache: " << files << " JPEG files, " << (jpeg_bytes >> 10) << " KiB, "
+              << (cache.generated ? "generated in " : "reused (earlier run) in ") << generate_seconds * 1e3
+              << " ms; a second ensure_cache " << reuse_seconds * 1e3 << " ms\n"
+              << "  read + decode, 1 thread: " << per_second(frames, decode_seconds) << " frames/s, "
+              << per_second(pixels, decode_seconds) / 1e6 << " Mpixel/s, " << per_second(jpeg_bytes, decode_seconds) / 1e6
+              << " MB/s of JPEG\n"
+              << "  loader, 2 epochs = " << samples << " samples, " << rows << " patch rows, "
+              << (rows * demo::kPatchRowSize * 4 >> 20) << " MiB of pixel_values:\n"
+              << "    0 workers " << per_second(samples, reference.seconds) << " samples/s, 2 workers "
+              << per_second(samples, two_seconds) << ", 2 persistent " << per_second(samples, persistent_seconds)
+              << ", 2 workers under PSS sampling " << per_second(samples, sampled_seconds) << '\n'
               << "  digest of the 2-epoch stream: " << digest << '\n';
     return checks.failed == 0 ? 0 : 1;
 }

@@ -17,6 +17,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <variant>
 #include <vector>
 
 namespace spbcast::detail {
@@ -44,8 +45,11 @@ inline constexpr std::chrono::milliseconds wait_grace{2000};
 
 template <class Group>
 class collective {
-    using work_type = decltype(std::declval<Group&>().broadcast(
+    // c10d groups return a Work handle; a synchronous user transport may return nothing.
+    using raw_work_type = decltype(std::declval<Group&>().broadcast(
         std::declval<std::vector<at::Tensor>&>(), std::declval<const c10d::BroadcastOptions&>()));
+    using work_type =
+        std::conditional_t<std::is_void_v<raw_work_type>, std::monostate, raw_work_type>;
 
 public:
     collective(Group& group, const options& opts, std::uint64_t sequence)
@@ -70,7 +74,10 @@ public:
         while (pending_.size() >= std::max<std::size_t>(opts_.max_in_flight, 1)) finish_oldest();
         pending p{{}, buffer, std::move(phase), std::move(on_done), {buffer}};
         try {
-            p.work = group_.broadcast(p.tensors, broadcast_options_);
+            if constexpr (std::is_void_v<raw_work_type>)
+                group_.broadcast(p.tensors, broadcast_options_);
+            else
+                p.work = group_.broadcast(p.tensors, broadcast_options_);
         } catch (const std::exception& e) {
             fail(p.phase, e.what());
         }
