@@ -4,3 +4,6 @@
 #include "broadcast.hpp"
 #include "digest.hpp"
 #include "dist.hpp"
+#include "loader.hpp"
+#include "rng_mirror.hpp"
+#include "torch_data.hpp"

@@ -1,0 +1,297 @@
+// SP leader-only loading. Every rank of an SP group needs the same batch; with
+// sp_media_dedup on, only the SP leader builds and runs the data loader, and each step it
+// broadcasts one envelope (status, epoch, step, RNG events, batch) over the SP group. Followers
+// never build a loader, yet return the same batches and epochs, and their default CPU
+// generator advances exactly as if they had run their own loader (see rng_mirror.hpp).
+//
+// A loader is any type with
+//     auto pass = loader.begin();            // creates the underlying iterator (one pass)
+//     std::optional<Batch> b = pass.next();  // the next batch, nullopt at the end of the pass
+// and optionally
+//     int64_t size() const;                  // batches per epoch (enables total-epoch length sync)
+//     void set_epoch(int64_t);               // called when a pass ends, with the next epoch
+//     std::string save_state() const; void load_state(std::string_view);
+//     bool will_consume_base_seed() const;   // PyTorch semantics: does the next begin() draw a
+//                                            // base seed from the default CPU generator?
+//     std::vector<rng_event> iterator_rng_events() const;      // general form of the above
+//     std::vector<rng_event> construction_rng_events() const;  // draws made while being built
+//
+// Initialisation that needs collectives on every rank (dataset indexing, packing statistics)
+// must happen before the leader_loader is built: the factory runs on the SP leader only.
+#pragma once
+
+#include "broadcast.hpp"
+#include "error.hpp"
+#include "rng_mirror.hpp"
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace spbcast {
+
+struct loader_config {
+    bool sp_media_dedup = false;           // off: every rank runs its own loader (BASE)
+    std::optional<std::int64_t> total_epoch;  // set exactly one of these two
+    std::optional<std::int64_t> total_step;
+    std::chrono::milliseconds timeout = std::chrono::minutes(5);  // bounds each step's broadcast
+};
+
+template <class L>
+concept data_loader = requires(L& loader) {
+    { loader.begin().next() } -> detail::optional_like;
+};
+
+template <data_loader L>
+using loader_batch_t = typename decltype(std::declval<L&>().begin().next())::value_type;
+
+// What the leader sends once, when the loader has been built.
+struct loader_init {
+    std::string error;               // the factory failed on the leader
+    std::vector<rng_event> rng_events;
+    std::int64_t length = -1;        // batches per epoch; -1 when the loader has no size()
+};
+
+// What the leader sends every step.
+template <class Batch>
+struct step_envelope {
+    std::string error;               // the leader's loader threw
+    std::int64_t epoch = 0;
+    std::int64_t step = 0;           // steps consumed, this one included
+    std::vector<rng_event> rng_events;  // draws BASE would have made before this batch
+    std::optional<Batch> batch;      // nullopt: training is over
+};
+
+namespace detail {
+
+// Events from the wire are data: replaying one must not allocate without bound.
+inline void check_rng_event(const rng_event& e, const std::string& where) {
+    const bool ok = (e.kind == rng_event::base_seed_draw) ||
+                    (e.kind == rng_event::randperm && e.n >= 0 && e.n <= (std::int64_t{1} << 34) &&
+                     (e.dtype == static_cast<std::int8_t>(at::kLong) ||
+                      e.dtype == static_cast<std::int8_t>(at::kInt)));
+    if (!ok)
+        throw error(errc::corrupt_frame, where + ": an invalid RNG event (kind " +
+                                             std::to_string(e.kind) + ", n " + std::to_string(e.n) +
+                                             ") arrived from the SP leader");
+}
+
+}  // namespace detail
+
+// Checks a loader configuration. Called by leader_loader on every rank before any collective,
+// so a bad configuration is the same clear error everywhere instead of a rank stuck in a
+// collective (the lesson of the reference PR's first review comment).
+inline void validate(const loader_config& cfg, int tp_size, int rank) {
+    auto bad = [&](const std::string& what) {
+        throw error(errc::invalid_argument, "spbcast: rank " + std::to_string(rank) +
+                                                ": invalid loader configuration: " + what);
+    };
+    if (cfg.total_epoch.has_value() == cfg.total_step.has_value())
+        bad(std::string("set exactly one of total_epoch and total_step (both are ") +
+            (cfg.total_epoch ? "set" : "unset") + ")");
+    if (cfg.total_epoch && *cfg.total_epoch <= 0) bad("total_epoch must be positive");
+    if (cfg.total_step && *cfg.total_step <= 0) bad("total_step must be positive");
+    if (tp_size < 1) bad("the TP size must be at least 1");
+    if (cfg.sp_media_dedup && tp_size > 1)
+        bad("sp_media_dedup requires TP size 1 (got " + std::to_string(tp_size) +
+            "); turn sp_media_dedup off or run with tensor parallelism 1");
+    if (cfg.timeout.count() <= 0) bad("timeout must be positive");
+}
+
+template <data_loader Loader, class Group>
+class leader_loader {
+public:
+    using batch_type = loader_batch_t<Loader>;
+
+    // Builds the loader on the ranks that need one: every rank with dedup off or SP size 1,
+    // only the SP leader (SP group rank 0) otherwise. `make_loader` returns a
+    // std::unique_ptr<Loader>. `group` is the SP group (a c10d group or a pointer to one).
+    template <class Factory>
+    leader_loader(loader_config cfg, Group group, int tp_size, Factory&& make_loader)
+        : cfg_(std::move(cfg)), group_(std::move(group)) {
+        auto& g = detail::group_of(group_);
+        sp_rank_ = g.getRank();
+        validate(cfg_, tp_size, sp_rank_);
+        dedup_ = cfg_.sp_media_dedup && g.getSize() > 1;
+        if (!dedup_) {
+            loader_ = make_loader();
+            length_ = local_length();
+            return;
+        }
+        loader_init init;
+        if (is_leader()) {
+            try {
+                loader_ = make_loader();
+                if constexpr (requires { loader_->construction_rng_events(); })
+                    init.rng_events = loader_->construction_rng_events();
+                init.length = local_length();
+            } catch (const std::exception& e) {
+                init.error = e.what();
+            }
+        }
+        broadcast(init, group_, broadcast_options());
+        if (!init.error.empty()) throw leader_failed("building the data loader", init.error);
+        if (!is_leader())
+            for (const rng_event& event : init.rng_events) {
+                detail::check_rng_event(event, where());
+                replay(event);
+            }
+        length_ = init.length;
+    }
+
+    // The next batch - the same on every rank of the SP group - or nullopt once total_epoch
+    // epochs or total_step steps are done. With dedup on, every SP rank must call it in step.
+    std::optional<batch_type> next() {
+        if (!dedup_) {
+            std::vector<rng_event> unused;
+            return fetch(unused);
+        }
+        step_envelope<batch_type> envelope;
+        if (is_leader()) {
+            try {
+                envelope.batch = fetch(envelope.rng_events);
+            } catch (const std::exception& e) {
+                envelope.error = e.what();
+            }
+            envelope.epoch = epoch_;
+            envelope.step = step_;
+        }
+        broadcast(envelope, group_, broadcast_options());
+        if (!envelope.error.empty())
+            throw leader_failed("fetching step " + std::to_string(envelope.step + 1), envelope.error);
+        if (!is_leader()) {
+            for (const rng_event& event : envelope.rng_events) {
+                detail::check_rng_event(event, where());
+                replay(event);
+            }
+            epoch_ = envelope.epoch;
+            step_ = envelope.step;
+        }
+        return std::move(envelope.batch);
+    }
+
+    bool dedup() const { return dedup_; }
+    bool is_leader() const { return sp_rank_ == 0; }
+    bool has_loader() const { return loader_ != nullptr; }  // false on dedup followers
+    std::int64_t epoch() const { return epoch_; }
+    std::int64_t step() const { return step_; }
+    // Batches per epoch, from the leader's loader when dedup is on (-1: the loader has no size()).
+    std::int64_t length() const { return length_; }
+    // Steps of the whole run: total_step, or length() * total_epoch (-1 when unknown).
+    std::int64_t total_steps() const {
+        if (cfg_.total_step) return *cfg_.total_step;
+        return length_ < 0 ? -1 : length_ * *cfg_.total_epoch;
+    }
+
+    // Checkpoint state: the loop position and the loader's own state. Dedup followers hold no
+    // loader and return an empty string; save the leader's (it is the same for the whole SP
+    // group) and pass it to load_state on every rank, or nothing to followers.
+    std::string save_state() const {
+        if (!loader_) return {};
+        std::ostringstream out;
+        out << "spbcast.leader_loader v1 epoch=" << epoch_ << " step=" << step_ << "\n";
+        if constexpr (requires { loader_->save_state(); }) out << loader_->save_state();
+        return out.str();
+    }
+
+    // Continues exactly where save_state() was called, from the next next(). Dedup followers
+    // skip it: they learn the epoch and step from the leader's next envelope.
+    void load_state(std::string_view state) {
+        if (!loader_) return;
+        const auto newline = state.find('\n');
+        std::istringstream header(std::string(state.substr(0, newline)));
+        std::string magic, version, epoch, step;
+        header >> magic >> version >> epoch >> step;
+        if (magic != "spbcast.leader_loader" || version != "v1" || epoch.rfind("epoch=", 0) != 0 ||
+            step.rfind("step=", 0) != 0 || newline == std::string_view::npos)
+            throw error(errc::invalid_argument,
+                        where() + ": load_state got a state that leader_loader::save_state did not "
+                                  "write; pass the string that save_state returned on the SP leader");
+        epoch_ = std::stoll(epoch.substr(6));
+        step_ = std::stoll(step.substr(5));
+        pass_.reset();
+        if constexpr (requires { loader_->load_state(state.substr(newline + 1)); })
+            loader_->load_state(state.substr(newline + 1));
+    }
+
+    Loader* loader() { return loader_.get(); }  // null on dedup followers
+
+private:
+    using pass_type = decltype(std::declval<Loader&>().begin());
+
+    options broadcast_options() const { return {.root = 0, .timeout = cfg_.timeout}; }
+
+    std::string where() const {
+        return "spbcast: SP rank " + std::to_string(sp_rank_) + " (leader_loader)";
+    }
+
+    error leader_failed(const std::string& doing, const std::string& message) const {
+        return error(errc::loader, where() + ": the SP leader (SP rank 0) failed " + doing + ": " + message);
+    }
+
+    std::int64_t local_length() const {
+        if constexpr (requires { loader_->size(); })
+            return static_cast<std::int64_t>(loader_->size());
+        else
+            return -1;
+    }
+
+    // The one fetch/epoch loop: next batch of the current pass; at the end of a pass, advance
+    // the epoch and start the next pass, recording the RNG draws that creating it makes.
+    std::optional<batch_type> fetch(std::vector<rng_event>& events) {
+        if (finished_ || (cfg_.total_step && step_ >= *cfg_.total_step)) return finish();
+        for (int empty_passes = 0;;) {
+            if (!pass_) {
+                if constexpr (requires { loader_->iterator_rng_events(); }) {
+                    for (const rng_event& e : loader_->iterator_rng_events()) events.push_back(e);
+                } else if constexpr (requires { loader_->will_consume_base_seed(); }) {
+                    if (loader_->will_consume_base_seed()) events.push_back({rng_event::base_seed_draw});
+                }
+                pass_.emplace(loader_->begin());
+            }
+            if (auto batch = pass_->next()) {
+                ++step_;
+                return batch;
+            }
+            pass_.reset();
+            ++epoch_;
+            if constexpr (requires { loader_->set_epoch(epoch_); }) loader_->set_epoch(epoch_);
+            if (cfg_.total_epoch && epoch_ >= *cfg_.total_epoch) return finish();
+            if (++empty_passes == 2)
+                throw error(errc::loader, where() + ": the data loader yielded no batch for a whole "
+                                                    "epoch; check the dataset and the sampler");
+        }
+    }
+
+    std::optional<batch_type> finish() {
+        finished_ = true;
+        return std::nullopt;
+    }
+
+    loader_config cfg_;
+    Group group_;
+    int sp_rank_ = 0;
+    bool dedup_ = false;
+    bool finished_ = false;
+    std::int64_t epoch_ = 0, step_ = 0, length_ = -1;
+    std::unique_ptr<Loader> loader_;
+    std::optional<pass_type> pass_;
+};
+
+// Deduces the loader type from the factory:
+//   auto loader = spbcast::make_leader_loader(cfg, sp_group, 1, [&] { return std::make_unique<MyLoader>(...); });
+template <class Group, class Factory>
+auto make_leader_loader(loader_config cfg, Group group, int tp_size, Factory&& make_loader) {
+    using Loader = typename std::invoke_result_t<Factory&>::element_type;
+    return leader_loader<Loader, Group>(std::move(cfg), std::move(group), tp_size,
+                                        std::forward<Factory>(make_loader));
+}
+
+}  // namespace spbcast
