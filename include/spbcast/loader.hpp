@@ -196,7 +196,8 @@ public:
     std::string save_state() const {
         if (!loader_) return {};
         std::ostringstream out;
-        out << "spbcast.leader_loader v1 epoch=" << epoch_ << " step=" << step_ << "\n";
+        out << "spbcast.leader_loader v1 epoch=" << epoch_ << " step=" << step_
+            << " in_epoch=" << in_epoch_ << "\n";
         if constexpr (requires { loader_->save_state(); }) out << loader_->save_state();
         return out.str();
     }
@@ -207,18 +208,23 @@ public:
         if (!loader_) return;
         const auto newline = state.find('\n');
         std::istringstream header(std::string(state.substr(0, newline)));
-        std::string magic, version, epoch, step;
-        header >> magic >> version >> epoch >> step;
+        std::string magic, version, epoch, step, in_epoch;
+        header >> magic >> version >> epoch >> step >> in_epoch;
         if (magic != "spbcast.leader_loader" || version != "v1" || epoch.rfind("epoch=", 0) != 0 ||
-            step.rfind("step=", 0) != 0 || newline == std::string_view::npos)
+            step.rfind("step=", 0) != 0 || in_epoch.rfind("in_epoch=", 0) != 0 ||
+            newline == std::string_view::npos)
             throw error(errc::invalid_argument,
                         where() + ": load_state got a state that leader_loader::save_state did not "
                                   "write; pass the string that save_state returned on the SP leader");
         epoch_ = std::stoll(epoch.substr(6));
         step_ = std::stoll(step.substr(5));
+        in_epoch_ = std::stoll(in_epoch.substr(9));
         pass_.reset();
         if constexpr (requires { loader_->load_state(state.substr(newline + 1)); })
             loader_->load_state(state.substr(newline + 1));
+        // Saved right after an epoch's last batch: the continuous run would end that pass at
+        // its next fetch, so the resumed run starts the next epoch.
+        if (length_ > 0 && in_epoch_ >= length_) end_epoch();
     }
 
     Loader* loader() { return loader_.get(); }  // null on dedup followers
@@ -258,16 +264,22 @@ private:
             }
             if (auto batch = pass_->next()) {
                 ++step_;
+                ++in_epoch_;
                 return batch;
             }
-            pass_.reset();
-            ++epoch_;
-            if constexpr (requires { loader_->set_epoch(epoch_); }) loader_->set_epoch(epoch_);
+            end_epoch();
             if (cfg_.total_epoch && epoch_ >= *cfg_.total_epoch) return finish();
             if (++empty_passes == 2)
                 throw error(errc::loader, where() + ": the data loader yielded no batch for a whole "
                                                     "epoch; check the dataset and the sampler");
         }
+    }
+
+    void end_epoch() {
+        pass_.reset();
+        ++epoch_;
+        in_epoch_ = 0;
+        if constexpr (requires { loader_->set_epoch(epoch_); }) loader_->set_epoch(epoch_);
     }
 
     std::optional<batch_type> finish() {
@@ -281,6 +293,7 @@ private:
     bool dedup_ = false;
     bool finished_ = false;
     std::int64_t epoch_ = 0, step_ = 0, length_ = -1;
+    std::int64_t in_epoch_ = 0;  // batches taken in the current epoch
     std::unique_ptr<Loader> loader_;
     std::optional<pass_type> pass_;
 };
