@@ -264,8 +264,11 @@ public:
         const slot_meta& slot = slots_[i];
         if (slot.in_place) {
             const storage_source& source = sources_[slot.storages.front()];
+            // The view owns a reference to the storage, so a send that outlives this plan
+            // (a failed broadcast whose buffers are quarantined) never reads freed memory.
             return at::from_blob(const_cast<std::uint8_t*>(source.base + source.lo),
-                                 {static_cast<std::int64_t>(slot.bytes)}, at::kByte);
+                                 {static_cast<std::int64_t>(slot.bytes)},
+                                 [keep = source.storage](void*) {}, at::kByte);
         }
         at::Tensor bucket = at::empty({static_cast<std::int64_t>(slot.bytes)}, at::kByte);
         auto* out = bucket.data_ptr<std::uint8_t>();
