@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${SPBCAST_VENV:-$HOME/.cache/spbcast/venv}"
 torch_dir="$(dirname "$(find /usr/lib -path '*cmake/Torch/TorchConfig.cmake' | head -1)")"
-cmake -S . -B build/system -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTorch_DIR="$torch_dir" \
+cmake -S . -B build/system -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$torch_dir" \
       -DSPBCAST_PYTHON="$VENV/bin/python" > build-system.configure.log 2>&1 \
     || { cat build-system.configure.log; exit 1; }
 cmake --build build/system -j"${SPBCAST_JOBS:-2}" --target spbcast_demo

@@ -35,8 +35,9 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
     echo "setup: installing torch==$TORCH_WHEEL_VERSION (CPU) into $VENV"
     "$VENV/bin/pip" install -q "torch==$TORCH_WHEEL_VERSION"
 fi
-if ! "$VENV/bin/python" -c "import numpy, matplotlib" 2>/dev/null; then
-    "$VENV/bin/pip" install -q numpy matplotlib
+# numpy and matplotlib for plots; tensordict is one of the Python peers the benchmarks measure.
+if ! "$VENV/bin/python" -c "import numpy, matplotlib, tensordict" 2>/dev/null; then
+    "$VENV/bin/pip" install -q numpy matplotlib "tensordict==0.15.3"
 fi
 echo "setup: PyTorch wheel $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') in $VENV"
 echo "setup: done"

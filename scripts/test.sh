@@ -8,6 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV="${SPBCAST_VENV:-$HOME/.cache/spbcast/venv}"
+# Lets ccache reuse objects between clones in different folders (CI builds a fresh clone).
+export CCACHE_BASEDIR="$PWD"
 JOBS="${SPBCAST_JOBS:-2}"
 generations=("${@:-system wheel}")
 generations=(${generations[*]})
@@ -19,7 +21,7 @@ for gen in "${generations[@]}"; do
         *) echo "unknown LibTorch generation '$gen' (system, wheel)"; exit 2 ;;
     esac
     echo "=== spbcast: $gen LibTorch ($torch_dir)"
-    cmake -S . -B "build/$gen" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTorch_DIR="$torch_dir" \
+    cmake -S . -B "build/$gen" -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$torch_dir" \
           -DSPBCAST_PYTHON="$VENV/bin/python" > "build-$gen.configure.log" 2>&1 \
         || { cat "build-$gen.configure.log"; exit 1; }
     grep "spbcast:" "build-$gen.configure.log"
