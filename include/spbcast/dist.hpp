@@ -58,12 +58,17 @@ struct launch_env {
     }
 };
 
-// The job-wide store: rank 0 serves it on MASTER_ADDR:MASTER_PORT, the others connect.
+// The job-wide store: rank 0 serves it on MASTER_ADDR:MASTER_PORT, the others connect. Under
+// torchrun (TORCHELASTIC_USE_AGENT_STORE=True) the agent already serves a store on that port,
+// so every rank connects as a client, as PyTorch's env:// rendezvous does. That store speaks
+// its PyTorch generation's protocol: use a torchrun of the LibTorch you built against.
 inline c10::intrusive_ptr<c10d::Store> make_store(const launch_env& env,
                                                   std::chrono::milliseconds timeout) {
+    const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+    const bool agent_store = agent && std::string(agent) == "True";
     c10d::TCPStoreOptions opts;
     opts.port = static_cast<std::uint16_t>(env.master_port);
-    opts.isServer = env.rank == 0;
+    opts.isServer = env.rank == 0 && !agent_store;
     opts.numWorkers = static_cast<std::size_t>(env.world_size);
     opts.timeout = timeout;
     return c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);

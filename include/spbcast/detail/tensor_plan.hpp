@@ -119,6 +119,21 @@ inline std::vector<slot_meta> read_slots(byte_reader& in) {
     return slots;
 }
 
+// Visits the views of a gathered storage in wire order: f(view, its distinct sizes, its offset
+// in the slot). Views without elements take no bytes and are skipped.
+template <class F>
+void for_each_gathered_view(const storage_meta& storage, const std::vector<tensor_meta>& tensors, F&& f) {
+    std::uint64_t offset = storage.slot_offset;
+    for (std::uint32_t t : storage.tensors) {
+        const tensor_meta& meta = tensors[t];
+        auto sizes = distinct_sizes(meta);
+        const auto bytes = static_cast<std::uint64_t>(numel_of(sizes)) * c10::elementSize(meta.dtype);
+        if (bytes == 0) continue;
+        f(meta, std::move(sizes), offset);
+        offset += bytes;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Root side
 
@@ -279,21 +294,14 @@ public:
                 std::memcpy(out + storage.slot_offset, source.base + source.lo, storage.nbytes);
                 continue;
             }
-            std::uint64_t offset = storage.slot_offset;
-            for (std::uint32_t t : storage.tensors) {
-                const tensor_meta& meta = tensors_[t];
-                const auto sizes = distinct_sizes(meta);
-                const auto bytes =
-                    static_cast<std::uint64_t>(numel_of(sizes)) * c10::elementSize(meta.dtype);
-                if (bytes == 0) continue;
+            for_each_gathered_view(storage, tensors_, [&](const tensor_meta& meta, auto sizes,
+                                                          std::uint64_t offset) {
                 const auto itemsize = static_cast<std::int64_t>(c10::elementSize(meta.dtype));
                 at::Tensor src = raw_bits_view(source.storage, meta.dtype,
                                                meta.offset + static_cast<std::int64_t>(source.lo) / itemsize,
-                                               sizes, meta.strides);
-                at::Tensor dst = at::from_blob(out + offset, src.sizes(), src.options());
-                dst.copy_(src);
-                offset += bytes;
-            }
+                                               std::move(sizes), meta.strides);
+                at::from_blob(out + offset, src.sizes(), src.options()).copy_(src);
+            });
         }
         return bucket;
     }
@@ -442,20 +450,12 @@ public:
                             storage.nbytes);
                 continue;
             }
-            std::uint64_t offset = storage.slot_offset;
-            for (std::uint32_t t : storage.tensors) {
-                const tensor_meta& meta = tensors_[t];
-                const auto sizes = distinct_sizes(meta);
-                const auto bytes =
-                    static_cast<std::uint64_t>(numel_of(sizes)) * c10::elementSize(meta.dtype);
-                if (bytes == 0) continue;
+            for_each_gathered_view(storage, tensors_, [&](const tensor_meta& meta, auto sizes,
+                                                          std::uint64_t offset) {
                 at::Tensor dst = raw_bits_view(storage_data_[s].storage(), meta.dtype, meta.offset,
-                                               sizes, meta.strides);
-                at::Tensor src =
-                    at::from_blob(const_cast<std::uint8_t*>(in + offset), dst.sizes(), dst.options());
-                dst.copy_(src);
-                offset += bytes;
-            }
+                                               std::move(sizes), meta.strides);
+                dst.copy_(at::from_blob(const_cast<std::uint8_t*>(in + offset), dst.sizes(), dst.options()));
+            });
         }
     }
 
