@@ -61,12 +61,13 @@ std::pair<frame_header, std::vector<std::uint8_t>> receive_frame(collective<Grou
 template <class Group>
 void drain_payload(collective<Group>& c, const frame_header& header,
                    const std::vector<slot_meta>& slots) {
+    const std::uint64_t limit = c.opts().limits.max_payload_bytes;
     std::uint64_t total = 0, largest = 0;
     for (const auto& s : slots) {
+        if (s.bytes > limit - total) return;  // refuse to allocate; the root times out
         total += s.bytes;
         largest = std::max(largest, s.bytes);
     }
-    if (total > c.opts().limits.max_payload_bytes) return;  // refuse to allocate; root times out
     at::Tensor scratch = at::empty({static_cast<std::int64_t>(largest)}, at::kByte);
     for (std::size_t i = 0; i < slots.size(); ++i)
         c.run(scratch.narrow(0, 0, static_cast<std::int64_t>(slots[i].bytes)),
@@ -101,7 +102,7 @@ parsed_frame parse_frame(const frame_header& header, const std::vector<std::uint
     byte_reader in(body.data(), body.size(), where + ": corrupt frame");
     if (header.status == static_cast<std::uint16_t>(frame_status::error)) {
         read_slots(in);
-        const std::string root_message = in.get_string(lim.max_string_bytes);
+        const std::string root_message = in.get_string(lim.max_frame_bytes);
         throw remote_error(where + ": the root (rank " + std::to_string(root) +
                                ") failed and sent no batch: " + root_message,
                            root, root_message);
@@ -144,13 +145,21 @@ T decode_value(const parsed_frame& frame, const std::vector<std::uint8_t>& body,
     static_assert(std::is_default_constructible_v<T> && std::is_move_assignable_v<T>,
                   "spbcast: the broadcast type must be default-constructible and "
                   "move-assignable (followers build a fresh value and move it in)");
-    const std::vector<at::Tensor> tensors = frame.plan.build_tensors();
-    byte_reader values(body.data() + frame.values_offset, frame.values_size, where + ": corrupt frame");
-    T result{};
-    decoder dec(values, tensors, lim);
-    dec.value(result);
-    if (values.remaining() != 0) values.fail("trailing bytes after the value");
-    return result;
+    try {
+        const std::vector<at::Tensor> tensors = frame.plan.build_tensors();
+        byte_reader values(body.data() + frame.values_offset, frame.values_size, where + ": corrupt frame");
+        T result{};
+        decoder dec(values, tensors, lim);
+        dec.value(result);
+        if (values.remaining() != 0) values.fail("trailing bytes after the value");
+        return result;
+    } catch (const spbcast::error&) {
+        throw;
+    } catch (const std::exception& e) {
+        // Validation admits only what a root sends; anything LibTorch or a codec still rejects
+        // is reported as what it is, a frame this rank cannot use.
+        throw error(errc::corrupt_frame, where + ": the frame could not be rebuilt: " + e.what());
+    }
 }
 
 template <class T, class Group>

@@ -47,9 +47,9 @@ void send(collective<Group>& c, const T& value) {
     const options& opts = c.opts();
     send_plan plan;
     byte_writer body;
+    byte_writer values;
+    encoder enc(values, plan, opts.limits);
     try {
-        byte_writer values;
-        encoder enc(values, plan, opts.limits);
         enc.value(value);
         plan.finish(opts);
         plan.write_slot_table(body);
@@ -65,8 +65,11 @@ void send(collective<Group>& c, const T& value) {
                             "; raise it on every rank or send fewer, larger values");
     } catch (const std::exception& e) {
         // Tell the followers before raising here, so none of them waits for a batch that
-        // will never come. The group stays usable.
-        const std::string message = e.what();
+        // will never come. The group stays usable. A user exception (a codec, a custom type)
+        // gets the field it was thrown from.
+        const auto* own = dynamic_cast<const spbcast::error*>(&e);
+        const std::string message =
+            c.where() + ": " + (own ? std::string(e.what()) : "cannot send " + enc.path().str() + ": " + e.what());
         byte_writer error_body;
         write_slots(error_body, {});
         error_body.put_string(message);
@@ -75,8 +78,7 @@ void send(collective<Group>& c, const T& value) {
         header.fingerprint = fingerprint_of<T>;
         send_frame(c, header, error_body.bytes());
         c.wait_all();
-        if (dynamic_cast<const spbcast::error*>(&e)) throw;
-        throw error(errc::unsupported_value, c.where() + ": " + message);
+        throw error(own ? own->code() : errc::unsupported_value, message);
     }
 
     frame_header header;

@@ -317,9 +317,9 @@ public:
 private:
     static void check_sendable(const at::Tensor& t, const limits& lim,
                                const std::function<std::string()>& where) {
-        auto reject = [&](const std::string& why, const std::string& fix) {
-            throw error(errc::unsupported_value,
-                        "cannot send the tensor at " + where() + ": " + why + "; " + fix);
+        auto reject = [&](const std::string& why, const std::string& fix,
+                          errc code = errc::unsupported_value) {
+            throw error(code, "cannot send the tensor at " + where() + ": " + why + "; " + fix);
         };
         if (!t.device().is_cpu())
             reject("it is on device " + t.device().str(),
@@ -342,7 +342,7 @@ private:
         if (static_cast<std::size_t>(t.dim()) > lim.max_dims)
             reject("it has " + std::to_string(t.dim()) + " dimensions, more than limits.max_dims = " +
                        std::to_string(lim.max_dims),
-                   "raise limits.max_dims on every rank");
+                   "raise limits.max_dims on every rank", errc::limit_exceeded);
     }
 
     // Gathering writes each view's elements back on the follower; a view that overlaps
@@ -399,6 +399,13 @@ public:
                         " is unknown to this LibTorch build (a newer dtype or a corrupt frame)");
             t.dtype = *dtype;
             t.flags = in.get<std::uint8_t>();
+            // Only flags a root can send: conj on complex, requires_grad on floating or complex.
+            const bool complex = c10::isComplexType(t.dtype);
+            if ((t.flags & ~(requires_grad_flag | conj_flag | neg_flag)) != 0 ||
+                ((t.flags & conj_flag) && !complex) ||
+                ((t.flags & requires_grad_flag) && !complex && !c10::isFloatingType(t.dtype)))
+                in.fail("tensor flags " + std::to_string(t.flags) + " are invalid for dtype " +
+                        c10::toString(t.dtype));
             const auto dim = in.get<std::uint8_t>();
             if (dim > lim.max_dims) in.fail("tensor with " + std::to_string(dim) + " dimensions");
             t.storage = in.get<std::uint32_t>();
@@ -538,6 +545,8 @@ private:
             if (!empty) {
                 if (last + 1 > storage.nbytes / itemsize)
                     in.fail("tensor reaches past the end of its storage");
+                // Distinct elements of a view that does not overlap itself fit in its storage.
+                if (distinct > storage.nbytes / itemsize) in.fail("a view with more elements than its storage");
                 if (storage.gather) gathered[meta.storage] += distinct * itemsize;
             }
             storages_[meta.storage].tensors.push_back(t);

@@ -410,20 +410,21 @@ private:
             case ivalue_tag::tensor_list:
                 return typed_list<at::Tensor>([&] { return tensor(in_.get<std::uint32_t>()); }, 4);
             case ivalue_tag::generic_list: {
-                c10::impl::GenericList list(ivalue_type_from_code(type_code()));
+                const ivalue_type element_type = type_code();
+                c10::impl::GenericList list(ivalue_type_from_code(element_type));
                 const auto n = count(1);
                 list.reserve(n);
-                for (std::size_t i = 0; i < n; ++i) list.push_back(ivalue(depth + 1));
+                for (std::size_t i = 0; i < n; ++i) list.push_back(typed(ivalue(depth + 1), element_type));
                 return list;
             }
             case ivalue_tag::generic_dict: {
-                const auto key_type = ivalue_type_from_code(type_code());
-                const auto value_type = ivalue_type_from_code(type_code());
-                c10::impl::GenericDict dict(key_type, value_type);
+                const ivalue_type key_type = type_code();
+                const ivalue_type value_type = type_code();
+                c10::impl::GenericDict dict(ivalue_type_from_code(key_type), ivalue_type_from_code(value_type));
                 const auto n = count(2);
                 for (std::size_t i = 0; i < n; ++i) {
-                    c10::IValue key = ivalue(depth + 1);
-                    dict.insert_or_assign(std::move(key), ivalue(depth + 1));
+                    c10::IValue key = typed(ivalue(depth + 1), key_type);
+                    dict.insert_or_assign(std::move(key), typed(ivalue(depth + 1), value_type));
                 }
                 return dict;
             }
@@ -436,6 +437,17 @@ private:
             }
         }
         fail("unknown IValue tag " + std::to_string(raw));
+    }
+
+    // A root only sends elements of a typed container's type.
+    c10::IValue typed(c10::IValue v, ivalue_type type) {
+        const bool ok = type == ivalue_type::any || (type == ivalue_type::tensor && v.isTensor()) ||
+                        (type == ivalue_type::integer && v.isInt()) ||
+                        (type == ivalue_type::floating && v.isDouble()) ||
+                        (type == ivalue_type::boolean && v.isBool()) ||
+                        (type == ivalue_type::string && v.isString());
+        if (!ok) fail("an IValue of kind " + v.tagKind() + " in a container typed otherwise");
+        return v;
     }
 
     ivalue_type type_code() {

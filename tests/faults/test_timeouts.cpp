@@ -1,0 +1,182 @@
+// Every wait is bounded by options.timeout: a root that never sends, a root that stops after
+// the frame, a root process killed before or in the middle of a broadcast, a follower process
+// killed - every surviving rank raises spbcast::transport_error (errc::timeout or
+// errc::transport) naming the broadcast number, the phase and the root, within the timeout
+// plus a small slack, and no process hangs. options.timeout is shorter than the Gloo group's
+// own timeout in every case, so it is spbcast's bound that is tested, not Gloo's default.
+#include "fault_support.hpp"
+#include "outcomes.hpp"
+#include "support/processes.hpp"
+#include "support/ranks.hpp"
+
+#include <boost/hana/define_struct.hpp>
+
+#include <map>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace spbcast_fault;
+using namespace std::chrono_literals;
+
+namespace {
+
+// collective.hpp waits options.timeout + 2 s itself (the backend normally reports first);
+// one more second covers scheduling on a loaded 2-core machine.
+constexpr double slack_s = 3.0;
+
+struct Batch {
+    BOOST_HANA_DEFINE_STRUCT(Batch, (at::Tensor, a), (std::vector<at::Tensor>, b));
+};
+
+Batch make() {
+    return {at::arange(1 << 19, at::kFloat), {at::ones({10}), at::zeros({3}, at::kLong)}};
+}
+
+void check_timed_out(const caught& c, double timeout_s, const std::string& phase_part,
+                     const std::string& all) {
+    REQUIRE_MESSAGE(c.threw, all);
+    CHECK_MESSAGE(c.type == "transport_error", all);
+    CHECK_MESSAGE((c.code == spbcast::errc::timeout || c.code == spbcast::errc::transport), all);
+    CHECK_MESSAGE(contains(c.phase, phase_part), all);
+    CHECK_MESSAGE(contains(c.what, "broadcast #1 from root 0 failed in phase '" + phase_part), all);
+    CHECK_MESSAGE(c.seconds <= timeout_s + slack_s, all);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Worker processes
+
+struct fault_line {
+    bool found = false;
+    int rank = -1, step = -1;
+    std::string type, errc, phase, what;
+    double ms = 0;
+};
+
+fault_line parse_fault(const std::string& output) {
+    fault_line f;
+    static const std::regex line(
+        R"(SPBCAST_FAULT rank=(-?\d+) step=(\d+) type=(\S+)(?: errc='([^']*)' phase='([^']*)')? ms=(\d+)\nSPBCAST_WHAT ([^\n]*))");
+    std::smatch m;
+    if (!std::regex_search(output, m, line)) return f;
+    f.found = true;
+    f.rank = std::stoi(m[1]);
+    f.step = std::stoi(m[2]);
+    f.type = m[3];
+    f.errc = m[4];
+    f.phase = m[5];
+    f.ms = std::stod(m[6]);
+    f.what = m[7];
+    return f;
+}
+
+std::vector<spbcast_test::process_result> run_workers(int world, std::vector<std::string> args,
+                                                      std::chrono::seconds deadline = 60s) {
+    const auto worker = spbcast_test::binary_dir() / "spbcast_fault_worker";
+    return spbcast_test::run_processes(worker, world, [&](int) { return args; }, deadline);
+}
+
+// A follower that saw the root die (or stop): a transport_error naming the step's broadcast,
+// the phase and the root, raised within timeout + slack of the failing call's start.
+void check_follower_saw_root_fail(const spbcast_test::process_result& r, int step,
+                                  const std::string& phase_part, double timeout_s, const std::string& all) {
+    CHECK_MESSAGE(r.exit_code == 3, all);
+    const fault_line f = parse_fault(r.output);
+    REQUIRE_MESSAGE(f.found, all);
+    CHECK_MESSAGE(f.type == "transport_error", all);
+    CHECK_MESSAGE((f.errc == "timeout" || f.errc == "transport error"), all);
+    CHECK_MESSAGE(f.step == step, all);
+    CHECK_MESSAGE(contains(f.what, "broadcast #" + std::to_string(step) + " from root 0 failed in phase '" + phase_part), all);
+    CHECK_MESSAGE(f.ms <= 1000 * (timeout_s + slack_s), all);
+}
+
+}  // namespace
+
+TEST_SUITE("timeouts") {
+
+TEST_CASE("threads: a root that never sends - every follower times out in phase 'frame' within options.timeout") {
+    const auto timeout = 1500ms;
+    std::vector<caught> outcomes(3);
+    spbcast_test::run_ranks(3, [&](int rank, auto& group) {
+        if (rank == 0) {
+            std::this_thread::sleep_for(timeout * 3);  // alive, connected, not calling
+            return;
+        }
+        Batch b;
+        outcomes[rank] = catch_from([&] { spbcast::broadcast(b, group, {.root = 0, .timeout = timeout}); });
+    }, 60s);  // the Gloo group's own timeout is far longer
+    for (int f : {1, 2}) {
+        check_timed_out(outcomes[f], 1.5, "frame", describe(outcomes));
+        CHECK_MESSAGE(outcomes[f].code == spbcast::errc::timeout, describe(outcomes));
+        CHECK_MESSAGE(contains(outcomes[f].what, "timed out after options.timeout = 1500 ms"), describe(outcomes));
+        CHECK_MESSAGE(outcomes[f].seconds >= 1.4, describe(outcomes));
+    }
+}
+
+TEST_CASE("threads: a root that stops after the frame - every follower times out in a payload phase") {
+    const auto timeout = 1500ms;
+    std::vector<caught> outcomes(3);
+    spbcast_test::run_ranks(3, [&](int rank, auto& real) {
+        hooked_group group(real, [&](int call, std::vector<at::Tensor>&) {
+            if (rank == 0 && call == 2) std::this_thread::sleep_for(timeout * 3);
+        });
+        Batch b = rank == 0 ? make() : Batch{};
+        outcomes[rank] = catch_from([&] { spbcast::broadcast(b, group, {.root = 0, .timeout = timeout}); });
+    }, 60s);
+    for (int f : {1, 2}) {
+        check_timed_out(outcomes[f], 1.5, "payload slot 1/", describe(outcomes));
+        CHECK_MESSAGE(outcomes[f].code == spbcast::errc::timeout, describe(outcomes));
+    }
+}
+
+TEST_CASE("processes: a root killed (SIGKILL) before the frame, after the frame, or between payload slots - every follower raises within the timeout") {
+    struct when {
+        int call;
+        std::string phase;
+    };
+    // The text profile with inplace_min 128 KiB sends a one-message frame, three in-place
+    // slots and one bucket (see the worker).
+    for (const when& w : {when{1, "frame"}, when{2, "payload slot 1/"}, when{4, "payload slot 3/"}}) {
+        CAPTURE(w.call);
+        const auto results = run_workers(3, {"steps=4", "timeout_ms=3000", "fault=kill", "fault_rank=0",
+                                             "fault_step=3", "fault_call=" + std::to_string(w.call)});
+        const std::string all = spbcast_test::describe(results);
+        CHECK_MESSAGE(results[0].signal == SIGKILL, all);
+        for (int f : {1, 2}) {
+            CHECK_MESSAGE(!results[f].timed_out, all);
+            check_follower_saw_root_fail(results[f], 3, w.phase, 3.0, all);
+        }
+    }
+}
+
+TEST_CASE("processes: a root stuck after the frame (alive, sockets open) - every follower times out") {
+    const auto results = run_workers(3, {"steps=4", "timeout_ms=2000", "fault=hang", "hang_ms=9000",
+                                         "fault_rank=0", "fault_step=2", "fault_call=2"});
+    const std::string all = spbcast_test::describe(results);
+    CHECK_MESSAGE(results[0].exit_code == 5, all);
+    for (int f : {1, 2}) {
+        check_follower_saw_root_fail(results[f], 2, "payload slot 1/", 2.0, all);
+        CHECK_MESSAGE(contains(parse_fault(results[f].output).errc, "timeout"), all);
+    }
+}
+
+TEST_CASE("processes: a follower killed in the middle of a broadcast - the root raises within the timeout") {
+    // Large enough batches that the root cannot finish a step into socket buffers alone.
+    const auto results = run_workers(3, {"steps=6", "timeout_ms=3000", "micro=4", "fault=kill",
+                                         "fault_rank=1", "fault_step=3", "fault_call=2"});
+    const std::string all = spbcast_test::describe(results);
+    CHECK_MESSAGE(results[1].signal == SIGKILL, all);
+    CHECK_MESSAGE(results[0].exit_code == 3, all);
+    const fault_line root = parse_fault(results[0].output);
+    REQUIRE_MESSAGE(root.found, all);
+    CHECK_MESSAGE(root.type == "transport_error", all);
+    CHECK_MESSAGE((root.step == 3 || root.step == 4), all);
+    CHECK_MESSAGE(contains(root.what, "from root 0 failed in phase"), all);
+    CHECK_MESSAGE(root.ms <= 1000 * (3.0 + slack_s), all);
+    // The other follower either completed the step or raised; it never hangs.
+    CHECK_MESSAGE(!results[2].timed_out, all);
+    CHECK_MESSAGE((results[2].exit_code == 0 || results[2].exit_code == 3), all);
+}
+
+}  // TEST_SUITE
