@@ -10,7 +10,7 @@ VENV="${SPBCAST_VENV:-$HOME/.cache/spbcast/venv}"
 TORCH_WHEEL_VERSION="2.13.0"
 DEBIAN_PACKAGES=(build-essential cmake ccache pkg-config python3 python3-venv
                  libboost1.81-dev doctest-dev libtorch-dev libgloo-dev libturbojpeg0-dev
-                 iproute2 clang)
+                 iproute2 nftables clang libclang-rt-14-dev)
 
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi

@@ -17,11 +17,29 @@
 #include <string_view>
 #include <tuple>
 #include <variant>
+#include <vector>
 
 namespace spbcast {
 namespace detail {
 
-constexpr void append_number(std::string& out, std::size_t n) {
+// The schema text under construction. Not std::string: clang 14 rejects libstdc++'s constexpr
+// std::string (assignment to its small-string union), while constexpr std::vector works with
+// both compilers.
+struct schema_builder {
+    std::vector<char> chars;
+    constexpr schema_builder& operator+=(char c) {
+        chars.push_back(c);
+        return *this;
+    }
+    constexpr schema_builder& operator+=(std::string_view text) {
+        chars.insert(chars.end(), text.begin(), text.end());
+        return *this;
+    }
+    constexpr std::size_t size() const { return chars.size(); }
+    constexpr char operator[](std::size_t i) const { return chars[i]; }
+};
+
+constexpr void append_number(schema_builder& out, std::size_t n) {
     char digits[24]{};
     int count = 0;
     do {
@@ -32,10 +50,10 @@ constexpr void append_number(std::string& out, std::size_t n) {
 }
 
 template <class T>
-constexpr void append_schema(std::string& out);
+constexpr void append_schema(schema_builder& out);
 
 template <class... Ts>
-constexpr void append_schema_list(std::string& out, char separator) {
+constexpr void append_schema_list(schema_builder& out, char separator) {
     bool first = true;
     auto append_one = [&]<class U>() {
         if (!first) out += separator;
@@ -49,19 +67,19 @@ template <class T>
 struct tuple_schema;
 template <class... Ts>
 struct tuple_schema<std::tuple<Ts...>> {
-    static constexpr void append(std::string& out) { append_schema_list<Ts...>(out, ','); }
+    static constexpr void append(schema_builder& out) { append_schema_list<Ts...>(out, ','); }
 };
 template <class A, class B>
 struct tuple_schema<std::pair<A, B>> {
-    static constexpr void append(std::string& out) { append_schema_list<A, B>(out, ','); }
+    static constexpr void append(schema_builder& out) { append_schema_list<A, B>(out, ','); }
 };
 template <class... Ts>
 struct tuple_schema<std::variant<Ts...>> {
-    static constexpr void append(std::string& out) { append_schema_list<Ts...>(out, '|'); }
+    static constexpr void append(schema_builder& out) { append_schema_list<Ts...>(out, '|'); }
 };
 
 template <class T>
-constexpr void append_schema(std::string& out) {
+constexpr void append_schema(schema_builder& out) {
     require_supported<T>();
     constexpr kind k = kind_v<T>;
     if constexpr (k == kind::custom) {
@@ -136,20 +154,20 @@ constexpr void append_schema(std::string& out) {
 }
 
 template <class T>
-constexpr std::string schema_string() {
-    std::string out;
+constexpr schema_builder schema_string() {
+    schema_builder out;
     append_schema<T>(out);
     return out;
 }
 
-// constexpr std::string cannot outlive constant evaluation, so the text is copied into a
+// constexpr allocations cannot outlive constant evaluation, so the text is copied into a
 // fixed array once per type.
 template <class T>
 struct schema_text {
     static constexpr std::size_t size = schema_string<T>().size();
     static constexpr std::array<char, size + 1> chars = [] {
         std::array<char, size + 1> a{};
-        const std::string s = schema_string<T>();
+        const schema_builder s = schema_string<T>();
         for (std::size_t i = 0; i < size; ++i) a[i] = s[i];
         return a;
     }();

@@ -218,6 +218,10 @@ TEST_CASE("a limit exceeded on the root: limit_exceeded there, remote_error on e
          {"max_payload_bytes"}},
         {"max_frame_bytes", [](auto& l) { l.max_frame_bytes = 512; },
          [](Step& s) { s.lengths.assign(100, 7); }, {"max_frame_bytes"}},
+        // The root's error message is longer than the frame limit itself: the error frame
+        // must still reach the followers as the root's error, not as a limit of their own.
+        {"max_frame_bytes below the root's message", [](auto& l) { l.max_frame_bytes = 96; },
+         [](Step&) {}, {"max_frame_bytes"}},
         {"max_depth", [](auto& l) { l.max_depth = 8; },
          [](Step& s) {
              c10::IValue v = int64_t{1};

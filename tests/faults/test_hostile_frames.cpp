@@ -220,6 +220,26 @@ TEST_CASE("the seeds themselves replay cleanly (the harness is sound)") {
     CHECK(got[1].storage().is_alias_of(got[0].storage()));
 }
 
+TEST_CASE("validation admits every frame a root sends: self-overlapping, expanded and strided views") {
+    // A view may overlap itself (unfold's sliding windows, as_strided): it holds more elements
+    // than its storage, is sent as a span, and must be accepted and rebuilt exactly.
+    at::Tensor series = at::arange(10, at::kFloat);
+    const Tensors value = {series.unfold(0, 4, 1),                        // (7, 4), strides (1, 1)
+                           at::arange(6, at::kLong).as_strided({3, 3}, {1, 1}),
+                           at::arange(4, at::kDouble).as_strided({2, 3, 2}, {1, 0, 1}),
+                           series.unfold(0, 3, 2).t()};
+    Tensors got;
+    const auto r = replay<Tensors>(record(value, hostile_opts()), hostile_opts(), &got);
+    REQUIRE_MESSAGE(r.what == outcome::ok, r.message);
+    REQUIRE(got.size() == value.size());
+    for (std::size_t i = 0; i < value.size(); ++i) {
+        CAPTURE(i);
+        CHECK(got[i].sizes().vec() == value[i].sizes().vec());
+        CHECK(got[i].strides().vec() == value[i].strides().vec());
+        CHECK(at::equal(got[i], value[i]));
+    }
+}
+
 TEST_CASE("truncated frame bodies (re-signed, as a hostile root would) raise spbcast::error at every length") {
     for (const auto& s : seeds()) {
         CAPTURE(s.name);

@@ -78,6 +78,8 @@ public:
                 group_.broadcast(p.tensors, broadcast_options_);
             else
                 p.work = group_.broadcast(p.tensors, broadcast_options_);
+        } catch (const c10::Error& e) {
+            fail(p.phase, e.what_without_backtrace());  // c10's what() carries a stack trace
         } catch (const std::exception& e) {
             fail(p.phase, e.what());
         }
@@ -116,6 +118,8 @@ private:
         pending& p = pending_.front();
         try {
             wait(p.work);
+        } catch (const c10::Error& e) {
+            fail(p.phase, e.what_without_backtrace());
         } catch (const std::exception& e) {
             fail(p.phase, e.what());
         }

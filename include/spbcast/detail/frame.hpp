@@ -39,5 +39,8 @@ static_assert(sizeof(frame_header) == 64, "spbcast: the frame header is 64 bytes
 static_assert(std::is_trivially_copyable_v<frame_header>);
 
 inline constexpr std::size_t inline_body_bytes = inline_frame_bytes - sizeof(frame_header);
+// A root's error message is cut to this, so its error frame (an empty slot table and the
+// message) fits in the first message and is read whatever the follower's limits.
+inline constexpr std::size_t max_error_message_bytes = inline_body_bytes - 64;
 
 }  // namespace spbcast::detail

@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <new>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -37,7 +39,11 @@ std::pair<frame_header, std::vector<std::uint8_t>> receive_frame(collective<Grou
     };
     if (header.magic != frame_magic) corrupt("bad magic");
     if (header.header_checksum != header.compute_checksum()) corrupt("header checksum mismatch");
-    if (header.body_bytes > c.opts().limits.max_frame_bytes)
+    // An error frame is always inline (send.hpp cuts the message) and is read whatever the
+    // limits, so a root's error reaches every follower as the root's error.
+    const bool inline_error = header.status == static_cast<std::uint16_t>(frame_status::error) &&
+                              header.body_bytes <= inline_body_bytes;
+    if (header.body_bytes > c.opts().limits.max_frame_bytes && !inline_error)
         throw error(errc::limit_exceeded,
                     c.where() + ": the frame body of " + std::to_string(header.body_bytes) +
                         " bytes exceeds limits.max_frame_bytes = " +
@@ -45,7 +51,7 @@ std::pair<frame_header, std::vector<std::uint8_t>> receive_frame(collective<Grou
                         "; use the same limits on every rank");
     std::vector<std::uint8_t> body(header.body_bytes);
     const std::size_t inline_part = std::min<std::size_t>(body.size(), inline_body_bytes);
-    std::memcpy(body.data(), in + sizeof header, inline_part);
+    if (inline_part != 0) std::memcpy(body.data(), in + sizeof header, inline_part);
     if (body.size() > inline_part) {
         at::Tensor rest = at::empty({static_cast<std::int64_t>(body.size() - inline_part)}, at::kByte);
         c.run(rest, "frame body");
@@ -58,17 +64,27 @@ std::pair<frame_header, std::vector<std::uint8_t>> receive_frame(collective<Grou
 
 // Receives and discards the announced payload, so the group stays in step when this rank
 // cannot use the batch (schema or version mismatch).
-template <class Group>
-void drain_payload(collective<Group>& c, const frame_header& header,
-                   const std::vector<slot_meta>& slots) {
-    const std::uint64_t limit = c.opts().limits.max_payload_bytes;
+//
+// The scratch buffer draining needs: as large as the largest slot, or nothing when the slots
+// together exceed limits.max_payload_bytes (then this rank refuses to receive and the root
+// times out). Checked slot by slot: announced sizes are untrusted and their sum could wrap.
+inline std::optional<std::uint64_t> drain_scratch_bytes(const std::vector<slot_meta>& slots,
+                                                        const limits& lim) {
     std::uint64_t total = 0, largest = 0;
     for (const auto& s : slots) {
-        if (s.bytes > limit - total) return;  // refuse to allocate; the root times out
+        if (s.bytes > lim.max_payload_bytes - total) return std::nullopt;
         total += s.bytes;
         largest = std::max(largest, s.bytes);
     }
-    at::Tensor scratch = at::empty({static_cast<std::int64_t>(largest)}, at::kByte);
+    return largest;
+}
+
+template <class Group>
+void drain_payload(collective<Group>& c, const frame_header& header,
+                   const std::vector<slot_meta>& slots) {
+    const auto largest = drain_scratch_bytes(slots, c.opts().limits);
+    if (!largest) return;  // refuse to allocate; the root times out
+    at::Tensor scratch = at::empty({static_cast<std::int64_t>(*largest)}, at::kByte);
     for (std::size_t i = 0; i < slots.size(); ++i)
         c.run(scratch.narrow(0, 0, static_cast<std::int64_t>(slots[i].bytes)),
               "draining payload slot " + std::to_string(i));
@@ -102,7 +118,8 @@ parsed_frame parse_frame(const frame_header& header, const std::vector<std::uint
     byte_reader in(body.data(), body.size(), where + ": corrupt frame");
     if (header.status == static_cast<std::uint16_t>(frame_status::error)) {
         read_slots(in);
-        const std::string root_message = in.get_string(lim.max_frame_bytes);
+        // Bounded by the frame it came in (accepted whatever limits.max_frame_bytes).
+        const std::string root_message = in.get_string(body.size());
         throw remote_error(where + ": the root (rank " + std::to_string(root) +
                                ") failed and sent no batch: " + root_message,
                            root, root_message);
@@ -163,7 +180,7 @@ T decode_value(const parsed_frame& frame, const std::vector<std::uint8_t>& body,
 }
 
 template <class T, class Group>
-void receive(collective<Group>& c, T& value) {
+void receive_unchecked(collective<Group>& c, T& value) {
     const options& opts = c.opts();
     auto [header, body] = receive_frame(c);
     parsed_frame frame = parse_frame<T>(header, body, opts.limits, c.where(), opts.root);
@@ -201,6 +218,24 @@ void receive(collective<Group>& c, T& value) {
                                 "damaged data - check the network and retry");
     }
     value = decode_value<T>(frame, body, opts.limits, c.where());
+}
+
+// decode_value's net covers rebuilding the value; this one also covers unpacking the payload
+// (ATen's copy_ into gathered views) and draining (at::empty), so nothing from ATen or c10 ever
+// leaves a follower as anything but spbcast::error.
+template <class T, class Group>
+void receive(collective<Group>& c, T& value) {
+    try {
+        receive_unchecked(c, value);
+    } catch (const spbcast::error&) {
+        throw;
+    } catch (const std::bad_alloc&) {
+        throw;
+    } catch (const std::exception& e) {
+        throw error(errc::corrupt_frame, c.where() + ": cannot use the root's frame (" + e.what() +
+                                             "); the root runs an incompatible spbcast or the "
+                                             "frame was damaged");
+    }
 }
 
 }  // namespace spbcast::detail

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <exception>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -72,7 +73,8 @@ void send(collective<Group>& c, const T& value) {
             c.where() + ": " + (own ? std::string(e.what()) : "cannot send " + enc.path().str() + ": " + e.what());
         byte_writer error_body;
         write_slots(error_body, {});
-        error_body.put_string(message);
+        // The error frame always fits in the first, fixed-size message, whatever the limits.
+        error_body.put_string(std::string_view(message).substr(0, max_error_message_bytes));
         frame_header header;
         header.status = static_cast<std::uint16_t>(frame_status::error);
         header.fingerprint = fingerprint_of<T>;
@@ -97,7 +99,7 @@ void send(collective<Group>& c, const T& value) {
     }
     if (opts.checksum) {
         at::Tensor trailer = at::empty({static_cast<std::int64_t>(8 * checksums.size())}, at::kByte);
-        std::memcpy(trailer.data_ptr(), checksums.data(), 8 * checksums.size());
+        if (!checksums.empty()) std::memcpy(trailer.data_ptr(), checksums.data(), 8 * checksums.size());
         c.launch(trailer, "checksums");
     }
     c.wait_all();

@@ -453,8 +453,9 @@ public:
         for (std::uint32_t s : slot.storages) {
             const storage_meta& storage = storages_[s];
             if (!storage.gather) {
-                std::memcpy(storage_data_[s].data_ptr<std::uint8_t>(), in + storage.slot_offset,
-                            storage.nbytes);
+                if (storage.nbytes != 0)  // an empty storage's data_ptr may be null
+                    std::memcpy(storage_data_[s].data_ptr<std::uint8_t>(), in + storage.slot_offset,
+                                storage.nbytes);
                 continue;
             }
             for_each_gathered_view(storage, tensors_, [&](const tensor_meta& meta, auto sizes,
@@ -523,16 +524,26 @@ private:
             tensor_meta& meta = tensors_[t];
             if (meta.storage >= storages_.size()) in.fail("tensor storage index out of range");
             if (meta.offset < 0) in.fail("negative storage offset");
+            // Keeps `last` below max_u64 / 4 from the start, so the extent check below cannot
+            // wrap (an offset near 2^63 passed it, and ATen then threw from set_).
+            if (static_cast<std::uint64_t>(meta.offset) > max_u64 / 4) in.fail("storage offset out of range");
             const std::uint64_t itemsize = c10::elementSize(meta.dtype);
             // Last element touched, computed without overflow; a view must lie inside its
             // storage, so the rebuilt tensor can never read or write outside it.
             bool empty = false;
             std::uint64_t last = static_cast<std::uint64_t>(meta.offset);
             std::uint64_t distinct = 1;
+            // ATen refuses (with its own exception) a view whose element count, zero sizes
+            // aside, overflows int64 - an expanded view can be that large on a tiny storage.
+            constexpr auto max_numel = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+            std::uint64_t numel = 1;
             for (std::size_t d = 0; d < meta.sizes.size(); ++d) {
                 const auto size = meta.sizes[d], stride = meta.strides[d];
                 if (size < 0 || stride < 0) in.fail("negative size or stride");
                 if (size == 0) empty = true;
+                const auto factor = static_cast<std::uint64_t>(size == 0 ? 1 : size);
+                if (numel > max_numel / factor) in.fail("tensor element count overflows");
+                numel *= factor;
                 const auto extent = static_cast<std::uint64_t>(size == 0 ? 0 : size - 1);
                 if (stride != 0 && extent > (max_u64 / 4 - last) / static_cast<std::uint64_t>(stride))
                     in.fail("tensor extent overflows");
@@ -545,9 +556,15 @@ private:
             if (!empty) {
                 if (last + 1 > storage.nbytes / itemsize)
                     in.fail("tensor reaches past the end of its storage");
-                // Distinct elements of a view that does not overlap itself fit in its storage.
-                if (distinct > storage.nbytes / itemsize) in.fail("a view with more elements than its storage");
-                if (storage.gather) gathered[meta.storage] += distinct * itemsize;
+                if (storage.gather) {
+                    // A gathered storage's views do not overlap themselves (the root sends
+                    // those as a span), so their distinct elements fit in the storage; this also
+                    // keeps distinct * itemsize from wrapping. A spanned view may overlap itself
+                    // (unfold, as_strided) and hold more elements than its storage.
+                    if (distinct > storage.nbytes / itemsize)
+                        in.fail("a gathered view with more elements than its storage");
+                    gathered[meta.storage] += distinct * itemsize;
+                }
             }
             storages_[meta.storage].tensors.push_back(t);
         }

@@ -325,7 +325,8 @@ public:
             v.clear();
             if constexpr (is_bulk_vector<T>) {
                 v.resize(n);
-                std::memcpy(v.data(), in_.get_bytes(n * sizeof(E)), n * sizeof(E));
+                const auto* bytes = in_.get_bytes(n * sizeof(E));
+                if (n != 0) std::memcpy(v.data(), bytes, n * sizeof(E));  // data() is null when empty
             } else if constexpr (requires { v.resize(n); v[0]; } && !std::is_same_v<E, bool>) {
                 v.resize(n);
                 for (std::size_t i = 0; i < n; ++i) element(v[i], i);
