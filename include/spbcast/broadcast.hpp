@@ -16,6 +16,7 @@
 #include "error.hpp"
 #include "group.hpp"
 #include "options.hpp"
+#include "receive_cache.hpp"
 #include "schema.hpp"
 
 #include <ATen/ATen.h>

@@ -198,7 +198,7 @@ void receive_unchecked(collective<Group>& c, T& value) {
         c.launch(buffer, "payload slot " + std::to_string(i + 1) + "/" + std::to_string(slots.size()),
                  [&plan, &checksums, &opts, buffer, i] {
                      if (opts.checksum) checksums[i] = checksum64(buffer.data_ptr(), buffer.numel());
-                     plan.unpack_slot(i, buffer);
+                     plan.unpack_slot(i);
                  });
     }
     at::Tensor trailer;

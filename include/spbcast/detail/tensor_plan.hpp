@@ -17,6 +17,7 @@
 #include "../options.hpp"
 #include "bytes.hpp"
 #include "dtype.hpp"
+#include "receive_memory.hpp"
 #include "version.hpp"
 
 #include <ATen/ATen.h>
@@ -431,33 +432,41 @@ public:
         validate(in, lim);
     }
 
-    // Allocates every storage. Called only once the frame has been validated.
+    // Allocates every storage and bucket. Called only once the frame has been validated. A
+    // storage sent as a span in a bucket is a part of that bucket: received in place, never
+    // copied; gathered storages get memory of their own and are scattered into on arrival.
     void allocate() {
-        storage_data_.clear();
-        for (const storage_meta& s : storages_)
-            storage_data_.push_back(at::empty({static_cast<std::int64_t>(s.nbytes)}, at::kByte));
+        auto& memory = receive_memory::instance();
+        storage_data_.assign(storages_.size(), at::Tensor());
+        bucket_data_.assign(slots_.size(), at::Tensor());
+        for (std::uint32_t i = 0; i < slots_.size(); ++i) {
+            const slot_meta& slot = slots_[i];
+            if (slot.in_place) continue;
+            bucket_data_[i] = memory.allocate(slot.bytes);
+            for (std::uint32_t s : slot.storages)
+                if (!storages_[s].gather)
+                    storage_data_[s] = storage_within(bucket_data_[i], storages_[s].slot_offset,
+                                                      storages_[s].nbytes);
+        }
+        for (std::uint32_t s = 0; s < storages_.size(); ++s)
+            if (!storage_data_[s].defined()) storage_data_[s] = memory.allocate(storages_[s].nbytes);
     }
 
-    // Where slot `i` is received: straight into its storage when in place, else a bucket.
+    // Where slot `i` is received: straight into its storage when in place, else its bucket.
     at::Tensor slot_receive_tensor(std::uint32_t i) const {
         const slot_meta& slot = slots_[i];
         if (slot.in_place) return storage_data_[slot.storages.front()];
-        return at::empty({static_cast<std::int64_t>(slot.bytes)}, at::kByte);
+        return bucket_data_[i];
     }
 
-    // Copies a received bucket into its storages (in-place slots need nothing).
-    void unpack_slot(std::uint32_t i, const at::Tensor& received) const {
+    // Scatters a received bucket's gathered storages (everything else is already in place).
+    void unpack_slot(std::uint32_t i) const {
         const slot_meta& slot = slots_[i];
         if (slot.in_place) return;
-        const auto* in = received.data_ptr<std::uint8_t>();
+        const auto* in = bucket_data_[i].data_ptr<std::uint8_t>();
         for (std::uint32_t s : slot.storages) {
             const storage_meta& storage = storages_[s];
-            if (!storage.gather) {
-                if (storage.nbytes != 0)  // an empty storage's data_ptr may be null
-                    std::memcpy(storage_data_[s].data_ptr<std::uint8_t>(), in + storage.slot_offset,
-                                storage.nbytes);
-                continue;
-            }
+            if (!storage.gather) continue;
             for_each_gathered_view(storage, tensors_, [&](const tensor_meta& meta, auto sizes,
                                                           std::uint64_t offset) {
                 at::Tensor dst = raw_bits_view(storage_data_[s].storage(), meta.dtype, meta.offset,
@@ -577,6 +586,7 @@ private:
     std::vector<storage_meta> storages_;
     std::vector<slot_meta> slots_;
     std::vector<at::Tensor> storage_data_;  // one uint8 tensor per storage
+    std::vector<at::Tensor> bucket_data_;   // per slot: its bucket (undefined for in-place slots)
 };
 
 }  // namespace spbcast::detail

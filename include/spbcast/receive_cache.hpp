@@ -1,0 +1,37 @@
+// The receive cache: where followers put the bytes of large tensors.
+//
+// A follower receives every storage of 2 MiB and more into memory recycled from batches the
+// application has dropped, because writing fresh pages costs a page fault and a kernel clear
+// per 4 KiB - on loopback about as much as receiving the bytes. The cache holds what dropped
+// batches gave back, up to a limit (2 GiB by default), per process; the peak memory of a
+// training loop does not change (the previous batch is usually alive while the next one
+// arrives), but up to the limit stays mapped between batches and after the last one.
+#pragma once
+
+#include "detail/receive_memory.hpp"
+
+#include <cstddef>
+
+namespace spbcast {
+
+inline constexpr std::size_t default_receive_cache_limit = detail::receive_memory::default_limit;
+
+struct receive_cache_stats {
+    std::size_t limit_bytes;       // set_receive_cache_limit
+    std::size_t cached_bytes;      // held now, ready for the next batch
+    std::size_t blocks_reused;     // large storages received into cached memory, since start
+    std::size_t blocks_allocated;  // large storages that needed new memory, since start
+};
+
+// Caps the memory kept between batches; 0 turns the cache off (every batch gets fresh memory)
+// and frees what it holds. Thread-safe; takes effect at once.
+inline void set_receive_cache_limit(std::size_t bytes) {
+    detail::receive_memory::instance().set_limit(bytes);
+}
+
+inline receive_cache_stats receive_cache_statistics() {
+    const auto s = detail::receive_memory::instance().statistics();
+    return {s.limit_bytes, s.cached_bytes, s.blocks_reused, s.blocks_allocated};
+}
+
+}  // namespace spbcast

@@ -1,0 +1,85 @@
+// Where followers receive: large storages into memory that dropped batches gave back (the
+// receive cache), small ones left in their bucket as storages of their own.
+#include "support/identical.hpp"
+#include "support/ranks.hpp"
+
+#include <spbcast/broadcast.hpp>
+
+using namespace spbcast_test;
+
+namespace {
+
+struct Media {
+    at::Tensor pixels;  // 6 MiB: sent in place, received into the cache
+    at::Tensor grid;    // small: coalesced into a bucket
+    at::Tensor mask;    // small: the same bucket
+};
+
+Media make_media(int64_t step) {
+    return Media{at::arange(step, step + (3 << 19), at::kFloat).view({-1, 1024}),
+                 at::arange(step, step + 12, at::kLong).view({4, 3}),
+                 at::arange(step, step + 64, at::kInt).remainder(2).to(at::kBool)};
+}
+
+// Broadcasts `steps` batches from rank 0 to rank 1; `follower` sees each one rank 1 received.
+template <class Follower>
+void two_ranks(int steps, Follower follower) {
+    run_ranks(2, [&](int rank, auto& group) {
+        for (int step = 0; step < steps; ++step) {
+            Media batch = rank == 0 ? make_media(step) : Media{};
+            spbcast::broadcast(batch, group);
+            if (rank == 1) follower(step, batch);
+        }
+    });
+}
+
+}  // namespace
+
+TEST_CASE("a follower receives large storages into memory its dropped batches gave back") {
+    Media kept;
+    two_ranks(3, [&](int step, Media& batch) {
+        require_identical(make_media(step), batch);
+        // A batch the application keeps is never received into: step 2 arrives elsewhere.
+        if (step == 1) kept = batch;
+        if (step == 2) {
+            CHECK(batch.pixels.data_ptr() != kept.pixels.data_ptr());
+            require_identical(make_media(1), kept);
+        }
+    });
+    kept = Media{};
+    // Every batch is dropped now (and the groups, whose worker threads may hold a received
+    // buffer a moment longer): their 6 MiB blocks are in the cache, and the next batch uses one.
+    const auto before = spbcast::receive_cache_statistics();
+    REQUIRE(before.limit_bytes > 0);
+    CHECK(before.cached_bytes >= std::size_t{6} << 20);
+    two_ranks(1, [](int, Media& batch) { require_identical(make_media(0), batch); });
+    const auto after = spbcast::receive_cache_statistics();
+    CHECK(after.blocks_reused - before.blocks_reused == 1);
+    CHECK(after.blocks_allocated == before.blocks_allocated);
+}
+
+TEST_CASE("set_receive_cache_limit(0) empties the cache and gives every batch fresh memory") {
+    spbcast::set_receive_cache_limit(0);
+    CHECK(spbcast::receive_cache_statistics().cached_bytes == 0);
+    const auto before = spbcast::receive_cache_statistics();
+    two_ranks(3, [](int step, Media& batch) { require_identical(make_media(step), batch); });
+    const auto after = spbcast::receive_cache_statistics();
+    CHECK(after.blocks_reused == before.blocks_reused);
+    CHECK(after.blocks_allocated - before.blocks_allocated == 3);
+    CHECK(after.cached_bytes == 0);
+    spbcast::set_receive_cache_limit(spbcast::default_receive_cache_limit);
+}
+
+TEST_CASE("storages received in one bucket are separate storages: writes and resizes stay apart") {
+    two_ranks(1, [](int, Media& batch) {
+        CHECK_FALSE(batch.grid.storage().is_alias_of(batch.mask.storage()));
+        CHECK(batch.grid.storage().nbytes() == 12 * sizeof(int64_t));
+        batch.grid.fill_(-1);
+        require_identical(make_media(0).mask, batch.mask);
+        // A resize moves the storage out of the bucket and keeps its values.
+        batch.mask.resize_({1 << 20});
+        CHECK(batch.mask.narrow(0, 0, 64).equal(make_media(0).mask));
+        batch.pixels.resize_({4096, 1024});
+        CHECK(batch.pixels.narrow(0, 0, 1536).equal(make_media(0).pixels));
+    });
+}
