@@ -303,6 +303,11 @@ TEST_CASE("soak: random batches across 4 ranks arrive identical, and memory stay
     // allows for allocator noise, not for a leak: a leak of one small tensor per step would
     // be tens of MiB over the default 1000 steps.
     REQUIRE(rss.size() >= 4);
+#if defined(__SANITIZE_ADDRESS__)
+    MESSAGE("RSS flatness not checked: AddressSanitizer's quarantine keeps freed memory "
+            "resident by design (LeakSanitizer checks for leaks at exit instead)");
+    return;
+#endif
     const std::size_t warm = rss.size() / 4;
     double warm_max = 0;
     for (std::size_t i = warm; i < rss.size() / 2; ++i) warm_max = std::max(warm_max, rss[i].second);

@@ -76,6 +76,10 @@ class receive_memory {
 public:
     static constexpr std::size_t granule = std::size_t{2} << 20;
     static constexpr std::size_t default_limit = std::size_t{2} << 30;
+    // A cached block that this many large allocations have passed over is freed: batches of a
+    // steady shape reuse their blocks within a step or two, and blocks of a size that stopped
+    // coming (variable-length batches) must not pile up to the limit.
+    static constexpr std::uint64_t max_idle_allocations = 64;
 
     static receive_memory& instance() {
         static auto* memory = new receive_memory();  // never destroyed: storages may outlive main
@@ -90,17 +94,19 @@ public:
         std::size_t capacity = need;
         {
             std::lock_guard<std::mutex> lock(mutex_);
+            ++clock_;
             // The smallest cached block that fits and wastes at most a quarter of what is needed.
             auto it = free_.lower_bound(need);
             if (it != free_.end() && it->first - need <= need / 4) {
                 capacity = it->first;
-                memory = std::move(it->second);
+                memory = std::move(it->second.memory);
                 cached_ -= capacity;
                 free_.erase(it);
                 ++reused_;
             } else {
                 ++allocated_;
             }
+            evict_locked([&](const cached_block& c) { return clock_ - c.returned_at > max_idle_allocations; });
         }
         // From the CPU allocator, so memory accounting that hooks it (c10::SetCPUAllocator)
         // sees the cache too.
@@ -121,7 +127,7 @@ public:
         while (cached_ > limit_) {
             auto largest = std::prev(free_.end());
             cached_ -= largest->first;
-            mark_addressable(largest->second.get(), largest->first, largest->first);
+            mark_addressable(largest->second.memory.get(), largest->first, largest->first);
             free_.erase(largest);
         }
     }
@@ -151,14 +157,33 @@ private:
         if (cached_ + b.capacity <= limit_) {
             mark_addressable(b.memory.get(), 0, b.capacity);
             cached_ += b.capacity;
-            free_.emplace(b.capacity, std::move(b.memory));
+            free_.emplace(b.capacity, cached_block{std::move(b.memory), clock_});
         } else {
             mark_addressable(b.memory.get(), b.capacity, b.capacity);
         }
     }
 
     std::mutex mutex_;
-    std::multimap<std::size_t, c10::DataPtr> free_;  // by capacity
+    struct cached_block {
+        c10::DataPtr memory;
+        std::uint64_t returned_at;  // clock_ when it came back
+    };
+
+    template <class Predicate>
+    void evict_locked(Predicate evict) {
+        for (auto it = free_.begin(); it != free_.end();) {
+            if (!evict(it->second)) {
+                ++it;
+                continue;
+            }
+            cached_ -= it->first;
+            mark_addressable(it->second.memory.get(), it->first, it->first);
+            it = free_.erase(it);
+        }
+    }
+
+    std::multimap<std::size_t, cached_block> free_;  // by capacity
+    std::uint64_t clock_ = 0;                        // large allocations so far
     std::size_t cached_ = 0;
     std::size_t limit_ = default_limit;
     std::size_t reused_ = 0;
