@@ -5,5 +5,6 @@
 #include "digest.hpp"
 #include "dist.hpp"
 #include "loader.hpp"
+#include "receive_cache.hpp"
 #include "rng_mirror.hpp"
 #include "torch_data.hpp"

@@ -1,5 +1,5 @@
 // A follower's side of a broadcast: receive and validate the frame, receive the payload into
-// freshly allocated storages, rebuild the value. parse_frame and decode_value need no group, so
+// its storages (receive_memory.hpp), rebuild the value. parse_frame and decode_value need no group, so
 // the fuzz target drives them directly.
 #pragma once
 

@@ -9,7 +9,8 @@
 // received straight into their final storage), the rest coalesced into buckets.
 //
 // Follower: the same tables, read back and validated against the limits before any
-// allocation; storages are allocated, filled from the slots, and the tensors rebuilt as views
+// allocation; storages are allocated (large ones from the receive cache, small ones inside
+// their bucket), filled from the slots, and the tensors rebuilt as views
 // with the root's dtypes, sizes, strides, relative offsets and flags.
 #pragma once
 
