@@ -74,7 +74,8 @@ inline at::Tensor byte_tensor_on(void* data, std::size_t nbytes, void* context,
 // Thread-safe: the last reference to a storage may die on any thread (Gloo's among them).
 class receive_memory {
 public:
-    static constexpr std::size_t granule = std::size_t{2} << 20;
+    static constexpr std::size_t min_cached_bytes = std::size_t{2} << 20;  // smaller: at::empty
+    static constexpr std::size_t block_rounding = std::size_t{64} << 10;
     static constexpr std::size_t default_limit = std::size_t{2} << 30;
     // A cached block that this many large allocations have passed over is freed: batches of a
     // steady shape reuse their blocks within a step or two, and blocks of a size that stopped
@@ -88,16 +89,17 @@ public:
 
     // Memory for `bytes` received bytes, as a uint8 tensor on a storage of its own.
     at::Tensor allocate(std::size_t bytes) {
-        if (bytes < granule) return at::empty({static_cast<std::int64_t>(bytes)}, at::kByte);
-        const std::size_t need = (bytes + granule - 1) / granule * granule;
+        if (bytes < min_cached_bytes) return at::empty({static_cast<std::int64_t>(bytes)}, at::kByte);
+        const std::size_t need = (bytes + block_rounding - 1) / block_rounding * block_rounding;
         c10::DataPtr memory;
         std::size_t capacity = need;
         {
             std::lock_guard<std::mutex> lock(mutex_);
             ++clock_;
-            // The smallest cached block that fits and wastes at most a quarter of what is needed.
+            // The smallest cached block that fits and wastes at most 1/16 of what is needed, so
+            // a follower's batch never takes much more memory than its bytes.
             auto it = free_.lower_bound(need);
-            if (it != free_.end() && it->first - need <= need / 4) {
+            if (it != free_.end() && it->first - need <= need / 16) {
                 capacity = it->first;
                 memory = std::move(it->second.memory);
                 cached_ -= capacity;
