@@ -77,14 +77,22 @@ public:
     static constexpr std::size_t min_cached_bytes = std::size_t{2} << 20;  // smaller: at::empty
     static constexpr std::size_t block_rounding = std::size_t{64} << 10;
     static constexpr std::size_t default_limit = std::size_t{2} << 30;
-    // A cached block that this many large allocations have passed over is freed: batches of a
-    // steady shape reuse their blocks within a step or two, and blocks of a size that stopped
-    // coming (variable-length batches) must not pile up to the limit.
-    static constexpr std::uint64_t max_idle_allocations = 64;
+    // A cached block that no batch has reused while this many batches arrived is freed:
+    // batches of a steady shape reuse their blocks in the next step or the one after, and
+    // blocks of sizes that stopped coming (variable-length batches) must not pile up to the
+    // limit. So the cache holds about the large storages of the last few batches.
+    static constexpr std::uint64_t max_idle_batches = 4;
 
     static receive_memory& instance() {
         static auto* memory = new receive_memory();  // never destroyed: storages may outlive main
         return *memory;
+    }
+
+    // A follower starts receiving a batch: frees the blocks that stayed idle too long.
+    void begin_batch() {
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++clock_;
+        evict_locked([&](const cached_block& c) { return clock_ - c.returned_at > max_idle_batches; });
     }
 
     // Memory for `bytes` received bytes, as a uint8 tensor on a storage of its own.
@@ -95,7 +103,6 @@ public:
         std::size_t capacity = need;
         {
             std::lock_guard<std::mutex> lock(mutex_);
-            ++clock_;
             // The smallest cached block that fits and wastes at most 1/16 of what is needed, so
             // a follower's batch never takes much more memory than its bytes.
             auto it = free_.lower_bound(need);
@@ -108,7 +115,6 @@ public:
             } else {
                 ++allocated_;
             }
-            evict_locked([&](const cached_block& c) { return clock_ - c.returned_at > max_idle_allocations; });
         }
         // From the CPU allocator, so memory accounting that hooks it (c10::SetCPUAllocator)
         // sees the cache too.
@@ -185,7 +191,7 @@ private:
     }
 
     std::multimap<std::size_t, cached_block> free_;  // by capacity
-    std::uint64_t clock_ = 0;                        // large allocations so far
+    std::uint64_t clock_ = 0;                        // batches received so far
     std::size_t cached_ = 0;
     std::size_t limit_ = default_limit;
     std::size_t reused_ = 0;

@@ -438,6 +438,7 @@ public:
     // copied; gathered storages get memory of their own and are scattered into on arrival.
     void allocate() {
         auto& memory = receive_memory::instance();
+        memory.begin_batch();
         storage_data_.assign(storages_.size(), at::Tensor());
         bucket_data_.assign(slots_.size(), at::Tensor());
         for (std::uint32_t i = 0; i < slots_.size(); ++i) {
