@@ -110,6 +110,10 @@ run_record run_layout(int world, int sp, bool dedup, int workers, bool persisten
                 }
                 CHECK(loader.step() == static_cast<int64_t>(record.digests[rank].size()));
                 CHECK(loader.total_steps() == loader.length() * total_epoch);
+                // Leave together: a rank that destroys its groups while a peer is still
+                // connecting them resets that peer's connection (seen with SP 1: DP 4 groups).
+                layout.sp_group->barrier()->wait();
+                layout.dp_group->barrier()->wait();
             } catch (...) {
                 errors[rank] = std::current_exception();
             }

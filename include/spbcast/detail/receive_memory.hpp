@@ -77,11 +77,11 @@ public:
     static constexpr std::size_t min_cached_bytes = std::size_t{2} << 20;  // smaller: at::empty
     static constexpr std::size_t block_rounding = std::size_t{64} << 10;
     static constexpr std::size_t default_limit = std::size_t{2} << 30;
-    // A cached block that no batch has reused while this many batches arrived is freed:
-    // batches of a steady shape reuse their blocks in the next step or the one after, and
-    // blocks of sizes that stopped coming (variable-length batches) must not pile up to the
-    // limit. So the cache holds about the large storages of the last few batches.
-    static constexpr std::uint64_t max_idle_batches = 4;
+    // A cached block that the next batch did not reuse is freed when the one after starts:
+    // a training loop drops batch t after receiving t + 1, and t + 2 reuses its blocks, so
+    // the cache holds about one batch beyond the one in use - never blocks of sizes that
+    // stopped coming (variable-length batches).
+    static constexpr std::uint64_t max_idle_batches = 1;
 
     static receive_memory& instance() {
         static auto* memory = new receive_memory();  // never destroyed: storages may outlive main
@@ -103,10 +103,11 @@ public:
         std::size_t capacity = need;
         {
             std::lock_guard<std::mutex> lock(mutex_);
-            // The smallest cached block that fits and wastes at most 1/16 of what is needed, so
-            // a follower's batch never takes much more memory than its bytes.
+            // The smallest cached block that fits and wastes at most 1/8 of what is needed: packs
+            // of media vary in size from batch to batch, and a follower's batch must not take
+            // much more memory than its bytes.
             auto it = free_.lower_bound(need);
-            if (it != free_.end() && it->first - need <= need / 16) {
+            if (it != free_.end() && it->first - need <= need / 8) {
                 capacity = it->first;
                 memory = std::move(it->second.memory);
                 cached_ -= capacity;
