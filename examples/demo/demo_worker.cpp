@@ -216,6 +216,8 @@ int run_worker(const DemoOptions& o) {
     try {
         PssSampler sampler(std::chrono::milliseconds(50), Clock::time_point{});  // steady_clock's own origin
         at::set_num_threads(1);  // ranks share the machine's cores; one thread of compute each
+        if (o.receive_cache_mib >= 0)
+            spbcast::set_receive_cache_limit(static_cast<std::size_t>(o.receive_cache_mib) << 20);
         const auto env = spbcast::dist::launch_env::from_environment();
         rank = env.rank;
         const int sp = o.sp_sizes.front();
