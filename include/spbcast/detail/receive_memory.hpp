@@ -172,7 +172,6 @@ private:
         }
     }
 
-    std::mutex mutex_;
     struct cached_block {
         c10::DataPtr memory;
         std::uint64_t returned_at;  // clock_ when it came back
@@ -191,6 +190,7 @@ private:
         }
     }
 
+    std::mutex mutex_;
     std::multimap<std::size_t, cached_block> free_;  // by capacity
     std::uint64_t clock_ = 0;                        // batches received so far
     std::size_t cached_ = 0;
