@@ -3,9 +3,10 @@
 // A follower receives every storage of 2 MiB and more into memory recycled from batches the
 // application has dropped, because writing fresh pages costs a page fault and a kernel clear
 // per 4 KiB - on loopback about as much as receiving the bytes. The cache holds what dropped
-// batches gave back, up to a limit (2 GiB by default), per process; the peak memory of a
-// training loop does not change (the previous batch is usually alive while the next one
-// arrives), but up to the limit stays mapped between batches and after the last one.
+// batches gave back, per process: about one batch beyond the one in use (a block the next
+// batch did not reuse is freed when the one after starts), never more than its limit (2 GiB
+// by default). The peak memory of a training loop does not change (the previous batch is
+// usually alive while the next one arrives), but between batches that much stays resident.
 #pragma once
 
 #include "detail/receive_memory.hpp"
