@@ -32,6 +32,13 @@ inline void quarantine(std::vector<at::Tensor> buffers) {
     for (auto& b : buffers) kept->push_back(std::move(b));
 }
 
+// An exception's message for ours: c10's what() carries a stack trace, which would bury the
+// message every rank needs to read.
+inline std::string exception_text(const std::exception& e) {
+    if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+    return e.what();
+}
+
 // The n-th spbcast::broadcast on this group from this thread (ranks as threads each count
 // their own), for error messages.
 inline std::uint64_t next_sequence(const void* group) {
@@ -78,10 +85,8 @@ public:
                 group_.broadcast(p.tensors, broadcast_options_);
             else
                 p.work = group_.broadcast(p.tensors, broadcast_options_);
-        } catch (const c10::Error& e) {
-            fail(p.phase, e.what_without_backtrace());  // c10's what() carries a stack trace
         } catch (const std::exception& e) {
-            fail(p.phase, e.what());
+            fail(p.phase, exception_text(e));
         }
         pending_.push_back(std::move(p));
     }
@@ -118,10 +123,8 @@ private:
         pending& p = pending_.front();
         try {
             wait(p.work);
-        } catch (const c10::Error& e) {
-            fail(p.phase, e.what_without_backtrace());
         } catch (const std::exception& e) {
-            fail(p.phase, e.what());
+            fail(p.phase, exception_text(e));
         }
         auto on_done = std::move(p.on_done);
         pending_.pop_front();

@@ -175,7 +175,7 @@ T decode_value(const parsed_frame& frame, const std::vector<std::uint8_t>& body,
     } catch (const std::exception& e) {
         // Validation admits only what a root sends; anything LibTorch or a codec still rejects
         // is reported as what it is, a frame this rank cannot use.
-        throw error(errc::corrupt_frame, where + ": the frame could not be rebuilt: " + e.what());
+        throw error(errc::corrupt_frame, where + ": the frame could not be rebuilt: " + exception_text(e));
     }
 }
 
@@ -232,7 +232,7 @@ void receive(collective<Group>& c, T& value) {
     } catch (const std::bad_alloc&) {
         throw;
     } catch (const std::exception& e) {
-        throw error(errc::corrupt_frame, c.where() + ": cannot use the root's frame (" + e.what() +
+        throw error(errc::corrupt_frame, c.where() + ": cannot use the root's frame (" + exception_text(e) +
                                              "); the root runs an incompatible spbcast or the "
                                              "frame was damaged");
     }

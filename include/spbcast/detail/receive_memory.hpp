@@ -133,12 +133,7 @@ public:
         std::lock_guard<std::mutex> lock(mutex_);
         limit_ = bytes;
         // Largest first: they free the most with the fewest calls.
-        while (cached_ > limit_) {
-            auto largest = std::prev(free_.end());
-            cached_ -= largest->first;
-            mark_addressable(largest->second.memory.get(), largest->first, largest->first);
-            free_.erase(largest);
-        }
+        while (cached_ > limit_) free_locked(std::prev(free_.end()));
     }
 
     struct stats {
@@ -176,22 +171,26 @@ private:
         c10::DataPtr memory;
         std::uint64_t returned_at;  // clock_ when it came back
     };
+    using cache_map = std::multimap<std::size_t, cached_block>;  // by capacity
 
     template <class Predicate>
     void evict_locked(Predicate evict) {
         for (auto it = free_.begin(); it != free_.end();) {
-            if (!evict(it->second)) {
+            if (evict(it->second))
+                it = free_locked(it);
+            else
                 ++it;
-                continue;
-            }
-            cached_ -= it->first;
-            mark_addressable(it->second.memory.get(), it->first, it->first);
-            it = free_.erase(it);
         }
     }
 
+    cache_map::iterator free_locked(cache_map::iterator it) {
+        cached_ -= it->first;
+        mark_addressable(it->second.memory.get(), it->first, it->first);
+        return free_.erase(it);
+    }
+
     std::mutex mutex_;
-    std::multimap<std::size_t, cached_block> free_;  // by capacity
+    cache_map free_;
     std::uint64_t clock_ = 0;                        // batches received so far
     std::size_t cached_ = 0;
     std::size_t limit_ = default_limit;

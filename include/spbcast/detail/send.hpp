@@ -70,7 +70,7 @@ void send(collective<Group>& c, const T& value) {
         // gets the field it was thrown from.
         const auto* own = dynamic_cast<const spbcast::error*>(&e);
         const std::string message =
-            c.where() + ": " + (own ? std::string(e.what()) : "cannot send " + enc.path().str() + ": " + e.what());
+            c.where() + ": " + (own ? std::string(e.what()) : "cannot send " + enc.path().str() + ": " + exception_text(e));
         byte_writer error_body;
         write_slots(error_body, {});
         // The error frame always fits in the first, fixed-size message, whatever the limits.
