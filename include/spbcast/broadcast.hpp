@@ -11,6 +11,7 @@
 
 #include "codec.hpp"
 #include "detail/collective.hpp"
+#include "detail/group_state.hpp"
 #include "detail/receive.hpp"
 #include "detail/send.hpp"
 #include "error.hpp"
@@ -35,6 +36,7 @@ inline void check_options(const options& opts, int rank, int size) {
         bad("options.root = " + std::to_string(opts.root) + " is not a rank of this group of size " +
             std::to_string(size) + "; use a group rank in [0, " + std::to_string(size) + ")");
     if (opts.timeout.count() <= 0) bad("options.timeout must be positive");
+    if (opts.root_wait.count() < 0) bad("options.root_wait must not be negative");
     if (opts.bucket_bytes == 0) bad("options.bucket_bytes must be positive");
 }
 
@@ -52,8 +54,15 @@ void broadcast(T& value, Group&& group, const options& opts = {}) {
     const int size = g.getSize();
     detail::check_options(opts, rank, size);
     if (size == 1) return;
-    detail::collective<std::remove_reference_t<decltype(g)>> c(g, opts,
-                                                               detail::next_sequence(&g));
+    const auto state = detail::group_registry::instance().state_of(g);
+    if (state->broken)
+        throw transport_error(*state->broken,
+                              "spbcast: rank " + std::to_string(rank) +
+                                  ": this group is out of step since an earlier broadcast failed "
+                                  "on this rank, so no collective is issued on it: " +
+                                  state->broken_cause,
+                              "before the frame");
+    detail::collective<std::remove_reference_t<decltype(g)>> c(g, opts, *state, ++state->broadcasts);
     if (rank == opts.root)
         detail::send(c, value);
     else
