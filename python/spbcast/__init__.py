@@ -1,0 +1,10 @@
+"""spbcast: broadcast a training batch from the SP leader to every rank of a sequence-parallel
+group, bit-exactly, with tensor identity and views preserved.
+
+    batch = spbcast.broadcast(batch if leader else None, group=sp_group, src=leader_rank)
+"""
+
+from ._broadcast import broadcast
+from .errors import Error, RemoteError, SchemaError, TransportError
+
+__all__ = ["broadcast", "Error", "RemoteError", "SchemaError", "TransportError"]

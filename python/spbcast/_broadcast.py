@@ -1,0 +1,65 @@
+import datetime
+
+import torch.distributed as dist
+
+from . import _C, _wire
+from .errors import Error
+
+
+def _group_and_root(group, src):
+    if not dist.is_available() or not dist.is_initialized():
+        raise Error("spbcast: torch.distributed is not initialized; call "
+                    "torch.distributed.init_process_group first", "invalid_argument")
+    pg = dist.group.WORLD if group is None else group
+    rank = dist.get_rank(pg)
+    if rank < 0:
+        raise Error(f"spbcast: rank {dist.get_rank()} is not a member of the group it passed to "
+                    "spbcast.broadcast; call it only on the group's ranks", "invalid_argument")
+    try:
+        root = dist.get_group_rank(pg, src)
+    except (ValueError, RuntimeError) as e:
+        raise Error(f"spbcast: rank {dist.get_rank()}: src={src} is not a rank of the group "
+                    f"({e}); src is a global rank, as in torch.distributed", "invalid_argument") from e
+    return pg, rank, root
+
+
+def _seconds(timeout):
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+def broadcast(obj, group=None, src=0, *, timeout=None, checksum=False, _use_registry=False):
+    """Sends ``obj`` from the global rank ``src`` to every rank of ``group`` and returns it.
+
+    On ``src`` the very object passed is returned; on every other rank an identical copy on the
+    CPU: tensors bit for bit with their dtype, shape, strides and ``requires_grad``, a tensor
+    referenced twice as one tensor referenced twice, views of one storage as views of one storage.
+    Other ranks pass anything (``None``). Every rank of the group must call it.
+
+    group: a torch.distributed group (default: the default group). src: a global rank.
+    timeout: seconds (or a ``datetime.timedelta``) bounding every wait; default 5 minutes.
+    checksum: verify the payload with a checksum per transfer slot.
+
+    Raises spbcast.Error (``.code`` says why) on every rank when the value cannot be sent
+    (followers raise spbcast.RemoteError with the root's message); the group stays usable.
+    """
+    pg, rank, root = _group_and_root(group, src)
+    seconds = _seconds(timeout)
+    name = pg.group_name
+    if rank == root:
+        try:
+            envelope = _wire.encode(obj, dist.get_rank())
+        except Error as e:
+            # Followers are already waiting in the core's first collective: send them the error
+            # instead of the value, so they raise it at once and the group stays in step.
+            _C.broadcast(pg, name, _wire.error_envelope(e), root, seconds, checksum, _use_registry)
+            raise
+        _C.broadcast(pg, name, envelope, root, seconds, checksum, _use_registry)
+        return obj
+    if dist.get_world_size(pg) == 1:  # unreachable: a group of one is its own root
+        return obj
+    envelope = _C.broadcast(pg, name, None, root, seconds, checksum, _use_registry)
+    return _wire.decode(envelope, dist.get_rank(), src)
