@@ -15,12 +15,12 @@ def _group_and_root(group, src):
     if rank < 0:
         raise Error(f"spbcast: rank {dist.get_rank()} is not a member of the group it passed to "
                     "spbcast.broadcast; call it only on the group's ranks", "invalid_argument")
-    try:
-        root = dist.get_group_rank(pg, src)
-    except (ValueError, RuntimeError) as e:
-        raise Error(f"spbcast: rank {dist.get_rank()}: src={src} is not a rank of the group "
-                    f"({e}); src is a global rank, as in torch.distributed", "invalid_argument") from e
-    return pg, rank, root
+    ranks = dist.get_process_group_ranks(pg)
+    if src not in ranks:
+        raise Error(f"spbcast: rank {dist.get_rank()}: src={src} is not a rank of the group (its "
+                    f"global ranks: {ranks}); src is a global rank, as in torch.distributed",
+                    "invalid_argument")
+    return pg, rank, dist.get_group_rank(pg, src)
 
 
 def _seconds(timeout):
