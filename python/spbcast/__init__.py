@@ -5,6 +5,7 @@ group, bit-exactly, with tensor identity and views preserved.
 """
 
 from ._broadcast import broadcast
+from .loader import LeaderLoader
 from .errors import Error, RemoteError, SchemaError, TransportError
 
-__all__ = ["broadcast", "Error", "RemoteError", "SchemaError", "TransportError"]
+__all__ = ["broadcast", "LeaderLoader", "Error", "RemoteError", "SchemaError", "TransportError"]

@@ -1,0 +1,199 @@
+"""LeaderLoader with a real torch.utils.data.DataLoader between real Gloo ranks: every rank's
+batches and default CPU generator equal BASE (every rank running its own loader) to the bit."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+import spbcast
+from batches import assert_same
+from dist_harness import run
+from loader_data import EpochSampler, Samples, collate, digest
+
+EPOCHS = 3
+
+
+def _make(workers, persistent, sampler=False):
+    ds = Samples(noise=not sampler)
+    kw = dict(batch_size=2, collate_fn=collate, num_workers=workers,
+              persistent_workers=persistent)
+    if workers:
+        # The ranks are spawned processes, whose default context would start workers by spawn
+        # too (seconds each, re-importing torch); a trainer launched by torchrun forks them.
+        kw["multiprocessing_context"] = "fork"
+    if sampler:
+        return lambda: DataLoader(ds, sampler=EpochSampler(len(ds)), **kw)
+    return lambda: DataLoader(ds, shuffle=True, **kw)  # RandomSampler on the default generator
+
+
+def _model_step():
+    # What a training step draws from the default generator between batches (dropout, ...).
+    torch.rand(5)
+
+
+def _base(make, epochs):
+    """BASE: a plain loop over this rank's own loader, as a trainer without spbcast runs it.
+    Returns the batches, the generator after each fetch, and the generator after each epoch."""
+    loader = make()
+    batches, fetched, epoch_ends = [], [], []
+    for epoch in range(epochs):
+        for batch in loader:
+            batches.append(batch)
+            fetched.append(torch.get_rng_state())
+            _model_step()
+        epoch_ends.append(torch.get_rng_state())
+    return batches, fetched, epoch_ends
+
+
+def _dedup(make, group, epochs):
+    ll = spbcast.LeaderLoader(make, group, sp_media_dedup=True, total_epoch=epochs)
+    steps_per_epoch = 8
+    assert len(ll) == epochs * steps_per_epoch and ll.length == steps_per_epoch
+    batches, fetched, epoch_ends = [], [], []
+    for batch in ll:
+        assert ll.epoch == len(batches) // steps_per_epoch and ll.step == len(batches) + 1
+        batches.append(batch)
+        fetched.append(torch.get_rng_state())
+        _model_step()
+        if ll.step % steps_per_epoch == 0:  # the epoch's last batch: the epoch is over
+            epoch_ends.append(torch.get_rng_state())
+    assert ll.epoch == epochs and ll.step == epochs * steps_per_epoch
+    assert (ll.loader is not None) == ll.is_leader
+    return batches, fetched, epoch_ends
+
+
+def _compare(base, dedup):
+    (bb, bf, be), (db, df, de) = base, dedup
+    assert len(bb) == len(db), (len(bb), len(db))
+    for i in range(len(bb)):
+        assert_same(bb[i], db[i], f"step {i + 1}")
+        assert torch.equal(bf[i], df[i]), f"step {i + 1}: default CPU generator differs from BASE"
+        assert db[i][0]["seq_ctx"].cu_seq_lens_k is db[i][0]["seq_ctx"].cu_seq_lens_q
+    assert len(be) == len(de) == EPOCHS
+    for e in range(EPOCHS):
+        assert torch.equal(be[e], de[e]), f"after epoch {e}: default CPU generator differs from BASE"
+
+
+def _matrix(rank, world, configs):
+    sp_groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    group = sp_groups[rank // 2]
+    for workers, persistent in configs:
+        seed = 1234 + rank // 2  # one seed per SP group, as SP ranks must load the same batches
+        torch.manual_seed(seed)
+        base = _base(_make(workers, persistent), EPOCHS)
+        end_base = torch.get_rng_state()
+        torch.manual_seed(seed)
+        dedup = _dedup(_make(workers, persistent), group, EPOCHS)
+        end_dedup = torch.get_rng_state()
+        _compare(base, dedup)
+        assert torch.equal(end_base, end_dedup), f"{workers} workers: generator at the end"
+
+
+@pytest.mark.parametrize("configs", [[(0, False)], [(2, False), (2, True)]],
+                         ids=["0 workers", "2 workers, persistent and not"])
+def test_dataloader_equals_base(configs):
+    run(2, _matrix, configs, timeout=150)
+
+
+def test_two_sp_groups_of_two():
+    run(4, _matrix, [(2, False)], timeout=150)
+
+
+# ---- restart at step 20 of 40 ------------------------------------------------------------------
+
+TOTAL, SAVE_AT = 40, 20
+
+
+def _continuous(rank, world, out_dir):
+    torch.manual_seed(99)
+    ll = spbcast.LeaderLoader(_make(2, False, sampler=True), None, sp_media_dedup=True,
+                              total_step=TOTAL)
+    digests = []
+    for batch in ll:
+        digests.append(digest(batch))
+        _model_step()
+        if ll.step == SAVE_AT and ll.is_leader:
+            with open(os.path.join(out_dir, "state.json"), "w") as f:
+                json.dump(ll.state_dict(), f)
+    assert len(digests) == TOTAL
+    with open(os.path.join(out_dir, f"continuous{rank}.json"), "w") as f:
+        json.dump(digests, f)
+
+
+def _resumed(rank, world, out_dir):
+    with open(os.path.join(out_dir, "state.json")) as f:
+        state = json.load(f)
+    results = {}
+    for dedup in (False, True):
+        torch.manual_seed(7)  # a new process: a seed of its own
+        ll = spbcast.LeaderLoader(_make(2, False, sampler=True), None, sp_media_dedup=dedup,
+                                  total_step=TOTAL)
+        # Dedup: only the leader needs the state; BASE: every rank loads it.
+        ll.load_state_dict(state if (ll.is_leader or not dedup) else None)
+        digests, states = [], []
+        for batch in ll:
+            digests.append(digest(batch))
+            states.append(torch.get_rng_state())
+            _model_step()
+        results[dedup] = (digests, states)
+    with open(os.path.join(out_dir, f"continuous{rank}.json")) as f:
+        continuous = json.load(f)
+    assert results[True][0] == continuous[SAVE_AT:], "resumed batches differ from the continuous run"
+    assert results[False][0] == continuous[SAVE_AT:]
+    for i, (a, b) in enumerate(zip(results[False][1], results[True][1])):
+        assert torch.equal(a, b), f"resumed step {SAVE_AT + i + 1}: generator differs from BASE"
+
+
+def test_restart_at_step_20_of_40(tmp_path):
+    run(2, _continuous, str(tmp_path))
+    run(2, _resumed, str(tmp_path))
+
+
+# ---- configuration and failures ----------------------------------------------------------------
+
+class Boom:
+    def __iter__(self):
+        yield [torch.ones(1)]
+        raise ValueError("disk on fire")
+
+
+def _failures(rank, world):
+    # Checked before any collective, the same error on every rank.
+    for kwargs, words in [({}, "set exactly one"), ({"total_epoch": 1, "total_step": 1}, "set exactly one"),
+                          ({"total_epoch": 1, "tp_size": 2}, "requires TP size 1"),
+                          ({"total_epoch": 0}, "positive")]:
+        with pytest.raises(spbcast.Error, match=words) as info:
+            spbcast.LeaderLoader(list, None, sp_media_dedup=True, **kwargs)
+        assert info.value.code == "invalid_argument"
+
+    # A factory that fails on the leader fails on every rank.
+    def bad_factory():
+        raise OSError("no such dataset")
+    with pytest.raises(spbcast.Error, match="no such dataset") as info:
+        spbcast.LeaderLoader(bad_factory, None, sp_media_dedup=True, total_epoch=1)
+    assert info.value.code == "loader"
+
+    # A loader that throws mid-epoch: every rank raises at that step, after the first batch.
+    ll = spbcast.LeaderLoader(Boom, None, sp_media_dedup=True, total_epoch=1)
+    it = iter(ll)
+    assert torch.equal(next(it)[0], torch.ones(1))
+    with pytest.raises(spbcast.Error, match="disk on fire") as info:
+        next(it)
+    assert info.value.code == "loader"
+
+    # Main-process draws that are not seed draws cannot be mirrored: refused on every rank.
+    def rand_loader():
+        return (torch.rand(3) for _ in range(2))
+    ll = spbcast.LeaderLoader(rand_loader, None, sp_media_dedup=True, total_epoch=1)
+    with pytest.raises(spbcast.Error, match="cannot mirror"):
+        next(iter(ll))
+    # The group is still usable.
+    assert spbcast.broadcast("ok" if rank == 0 else None) == "ok"
+
+
+def test_failures_on_every_rank():
+    run(2, _failures)
