@@ -19,7 +19,7 @@ setup(
     ext_modules=[
         CppExtension(
             "spbcast._C",
-            ["spbcast/csrc/_C.cpp"],
+            ["csrc/_C.cpp"],
             include_dirs=[os.path.abspath(include)],
             extra_compile_args=["-std=c++20", "-O2"],
         )

@@ -4,7 +4,7 @@
 // Only the core headers are included (broadcast.hpp and what it pulls); dist.hpp, loader.hpp and
 // spbcast.hpp name Gloo, whose headers a PyTorch wheel does not ship.
 //
-// The Python side (spbcast/_wire.py) has already turned the user's object into a tree of None,
+// The Python side (python/spbcast/_wire.py) has already turned the user's object into a tree of None,
 // bool, int, float, str, bytes, CPU tensors, lists, tuples and dicts with str or int keys, and
 // checked every value with its path; what reaches to_ivalue is only that vocabulary. The one
 // tagged form handled here is bytes: an IValue string cannot tell text from bytes, so bytes
@@ -30,7 +30,7 @@ namespace py = pybind11;
 namespace {
 
 // Tags of the Python layer's tuples (the first element of every tuple on the wire); shared with
-// spbcast/_wire.py through module attributes, so there is one definition.
+// python/spbcast/_wire.py through module attributes, so there is one definition.
 constexpr int64_t TAG_TUPLE = 0;
 constexpr int64_t TAG_BYTES = 1;
 constexpr int64_t TAG_OBJECT = 2;
