@@ -59,7 +59,5 @@ def broadcast(obj, group=None, src=0, *, timeout=None, checksum=False, _use_regi
             raise
         _C.broadcast(pg, name, envelope, root, seconds, checksum, _use_registry)
         return obj
-    if dist.get_world_size(pg) == 1:  # unreachable: a group of one is its own root
-        return obj
     envelope = _C.broadcast(pg, name, None, root, seconds, checksum, _use_registry)
     return _wire.decode(envelope, dist.get_rank(), src)

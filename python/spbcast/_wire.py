@@ -14,6 +14,7 @@ itself, and rebuilt without calling ``__init__`` (``object.__new__`` and its att
 """
 
 import dataclasses
+import enum
 import functools
 import importlib
 import json
@@ -35,6 +36,11 @@ MAGIC = "spbcast.py"
 WIRE_VERSION = 1
 KIND_VALUE = 0
 KIND_ERROR = 1
+
+# The core's bounds (spbcast::limits defaults), checked here first so that the error names the
+# Python path: one string or bytes value, and the nesting of containers and objects.
+MAX_STRING_BYTES = 64 << 20
+MAX_DEPTH = 250  # an object counts twice: it travels as a tuple holding a dict
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -71,9 +77,14 @@ class _Encoder:
         raise Error(f"spbcast: rank {self.rank}: cannot send {_path_text(path)}: {what}",
                     "unsupported_value")
 
-    def encode(self, value, path):
+    def encode(self, value, path, depth=0):
         t = type(value)
-        if value is None or t is bool or t is float or t is str:
+        if value is None or t is bool or t is float:
+            return value
+        if t is str:
+            if len(value) > MAX_STRING_BYTES // 4 and len(value.encode()) > MAX_STRING_BYTES:
+                self.fail(path, f"a str of {len(value.encode())} bytes, over spbcast's limit of "
+                                f"{MAX_STRING_BYTES} per string; send large data as a uint8 tensor")
             return value
         if t is int:
             if not _INT64_MIN <= value <= _INT64_MAX:
@@ -83,7 +94,14 @@ class _Encoder:
             self.check_tensor(value, path)
             return value
         if t is bytes:
+            if len(value) > MAX_STRING_BYTES:
+                self.fail(path, f"bytes of length {len(value)}, over spbcast's limit of "
+                                f"{MAX_STRING_BYTES} per value; send large data as a uint8 tensor "
+                                "(torch.frombuffer)")
             return (TAG_BYTES, value)
+        if depth >= MAX_DEPTH:
+            self.fail(path, f"containers nested deeper than {MAX_DEPTH} levels")
+        depth += 1
         if t is list or t is tuple or t is dict:
             key = id(value)
             if key in self.active:
@@ -91,11 +109,11 @@ class _Encoder:
             self.active.add(key)
             try:
                 if t is list:
-                    return [self.encode(v, (path, f"[{i}]")) for i, v in enumerate(value)]
+                    return [self.encode(v, (path, f"[{i}]"), depth) for i, v in enumerate(value)]
                 if t is tuple:
-                    return (TAG_TUPLE,) + tuple(self.encode(v, (path, f"[{i}]"))
+                    return (TAG_TUPLE,) + tuple(self.encode(v, (path, f"[{i}]"), depth)
                                                 for i, v in enumerate(value))
-                return self.encode_dict(value, path)
+                return self.encode_dict(value, path, depth)
             finally:
                 self.active.discard(key)
         if isinstance(value, torch.Tensor):
@@ -104,9 +122,9 @@ class _Encoder:
         if isinstance(value, _CODE_TYPES):
             self.fail(path, f"a {t.__name__} ({getattr(value, '__qualname__', value)!r}); "
                             "spbcast sends data, never code")
-        return self.encode_object(value, path)
+        return self.encode_object(value, path, depth)
 
-    def encode_dict(self, value, path):
+    def encode_dict(self, value, path, depth):
         out = {}
         kind = None
         for k, v in value.items():
@@ -119,10 +137,10 @@ class _Encoder:
                 self.fail(path, "a dict that mixes str and int keys; use one key type per dict")
             if kt is int and not _INT64_MIN <= k <= _INT64_MAX:
                 self.fail(path, f"the dict key {k} does not fit in 64 bits")
-            out[k] = self.encode(v, (path, f"[{json.dumps(k)}]"))
+            out[k] = self.encode(v, (path, f"[{json.dumps(k)}]"), depth)
         return out
 
-    def encode_object(self, value, path):
+    def encode_object(self, value, path, depth):
         cls = type(value)
         name = self.class_ok.get(cls)
         if name is None:
@@ -143,7 +161,7 @@ class _Encoder:
             for k, v in state.items():
                 if type(k) is not str:
                     self.fail(path, f"an attribute name {k!r} that is not a str")
-                fields[k] = self.encode(v, (path, f".{k}"))
+                fields[k] = self.encode(v, (path, f".{k}"), depth + 1)
         finally:
             self.active.discard(key)
         return (TAG_OBJECT, name[0], name[1], fields)
@@ -152,6 +170,11 @@ class _Encoder:
         what = f"{cls.__module__}.{cls.__qualname__}"
         if cls in _FIX:
             self.fail(path, f"a {cls.__name__}, which spbcast does not send; {_FIX[cls]}")
+        if isinstance(value, enum.Enum):
+            self.fail(path, f"the enum member {value!r}; send its .value or .name")
+        if cls.__module__.split(".")[0] == "numpy":
+            self.fail(path, f"a numpy {cls.__name__}; send torch.from_numpy(a) for an array, "
+                            "x.item() for a scalar")
         if issubclass(cls, (list, tuple, dict, str, bytes, int, float)):
             self.fail(path, f"an instance of {what}, a subclass of a built-in type; convert it to "
                             "the plain type (list, tuple, dict, str, bytes, int, float)")

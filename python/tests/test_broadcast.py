@@ -1,5 +1,7 @@
 """spbcast.broadcast between real Gloo ranks: round trips, aliasing, errors, the GIL."""
 
+import enum
+import functools
 import threading
 import time
 
@@ -104,7 +106,17 @@ REFUSED = [
     (_cycle, "batch[1]", "cycle"),
     (_object_path, 'batch[1]["seq_ctx"].pixel_values', "a tensor on meta"),
     (lambda: torch.Size([2]), "batch", "tuple(size)"),
+    (lambda: [torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)], "batch[0]", "dtype torch.qint8"),
+    (lambda: {"s": "x" * ((64 << 20) + 1)}, 'batch["s"]', "limit of 67108864 per string"),
+    (lambda: {"b": bytes((64 << 20) + 1)}, 'batch["b"]', "torch.frombuffer"),
+    (lambda: functools.reduce(lambda x, _: [x], range(300), 0), "batch" + "[0]" * 250, "deeper than 250"),
+    (lambda: {"mode": Color.RED}, 'batch["mode"]', "enum member"),
+    (lambda: [object()], "batch[0]", "no __dict__"),
 ]
+
+
+class Color(enum.Enum):
+    RED = 1
 
 
 def _errors(rank, world):
@@ -122,6 +134,19 @@ def _errors(rank, world):
             assert words in str(e)
         # The group is still in step: the next broadcast works.
         assert spbcast.broadcast("ok" if rank == 0 else None, src=0) == "ok"
+    # A value the core itself refuses on the root (here: nesting beyond its limits.max_depth,
+    # sent past the Python checks): Error with the core's code there, RemoteError elsewhere.
+    if rank == root:
+        deep = functools.reduce(lambda x, _: (0, x), range(600), 0)
+        with pytest.raises(spbcast.Error, match="max_depth") as info:
+            spbcast._C.broadcast(dist.group.WORLD, dist.group.WORLD.group_name, deep, root, None,
+                                 False)
+        assert type(info.value) is spbcast.Error and info.value.code == "limit_exceeded"
+    else:
+        with pytest.raises(spbcast.RemoteError, match="max_depth") as info:
+            spbcast.broadcast(None, src=root)
+        assert info.value.root_rank == root
+    assert spbcast.broadcast("ok" if rank == 0 else None, src=0) == "ok"
     # A bad src is refused on every rank before any collective.
     with pytest.raises(spbcast.Error, match="src=7 is not a rank") as info:
         spbcast.broadcast(None, src=7)
