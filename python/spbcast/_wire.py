@@ -60,10 +60,18 @@ _FIX = {
 
 
 def _path_text(path):
+    # A path is a linked list (parent, segment), formatted only when an error needs it: an int
+    # is a list or tuple index, a 1-tuple a dict key, a str a name (the root, an attribute).
     parts = []
     while path is not None:
         path, segment = path
-        parts.append(segment)
+        if type(segment) is int:
+            parts.append(f"[{segment}]")
+        elif type(segment) is tuple:
+            key = segment[0]
+            parts.append(f"[{json.dumps(key) if type(key) is str else key}]")
+        else:
+            parts.append(segment)
     return "".join(reversed(parts))
 
 
@@ -109,9 +117,9 @@ class _Encoder:
             self.active.add(key)
             try:
                 if t is list:
-                    return [self.encode(v, (path, f"[{i}]"), depth) for i, v in enumerate(value)]
+                    return [self.encode(v, (path, i), depth) for i, v in enumerate(value)]
                 if t is tuple:
-                    return (TAG_TUPLE,) + tuple(self.encode(v, (path, f"[{i}]"), depth)
+                    return (TAG_TUPLE,) + tuple(self.encode(v, (path, i), depth)
                                                 for i, v in enumerate(value))
                 return self.encode_dict(value, path, depth)
             finally:
@@ -137,7 +145,7 @@ class _Encoder:
                 self.fail(path, "a dict that mixes str and int keys; use one key type per dict")
             if kt is int and not _INT64_MIN <= k <= _INT64_MAX:
                 self.fail(path, f"the dict key {k} does not fit in 64 bits")
-            out[k] = self.encode(v, (path, f"[{json.dumps(k)}]"), depth)
+            out[k] = self.encode(v, (path, (k,)), depth)
         return out
 
     def encode_object(self, value, path, depth):
@@ -161,7 +169,7 @@ class _Encoder:
             for k, v in state.items():
                 if type(k) is not str:
                     self.fail(path, f"an attribute name {k!r} that is not a str")
-                fields[k] = self.encode(v, (path, f".{k}"), depth + 1)
+                fields[k] = self.encode(v, (path, "." + k), depth + 1)
         finally:
             self.active.discard(key)
         return (TAG_OBJECT, name[0], name[1], fields)
@@ -251,13 +259,15 @@ class _Decoder:
                 value[k] = self.decode(v)
             return value
         if t is tuple:
-            tag = value[0]
+            tag = value[0] if value else None
             if tag == TAG_TUPLE:
                 return tuple(self.decode(v) for v in value[1:])
-            if tag == TAG_OBJECT:
+            if (tag == TAG_OBJECT and len(value) == 4 and type(value[1]) is str
+                    and type(value[2]) is str and type(value[3]) is dict
+                    and all(type(k) is str for k in value[3])):
                 return self.rebuild(value[1], value[2], value[3])
-            raise SchemaError(f"spbcast: rank {self.rank}: the root sent a tuple with the unknown "
-                              f"tag {tag!r}", "corrupt_frame")
+            raise SchemaError(f"spbcast: rank {self.rank}: the root sent a tuple this version of "
+                              f"the spbcast package cannot read (tag {tag!r})", "corrupt_frame")
         return value
 
     def rebuild(self, module, qualname, fields):
