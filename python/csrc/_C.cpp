@@ -233,4 +233,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("dtype_supported", &dtype_supported, py::arg("tensor"));
     m.def("set_receive_cache_limit", [](std::size_t bytes) { spbcast::set_receive_cache_limit(bytes); },
           py::arg("bytes"));
+    m.def("receive_cache_statistics", [] {
+        const auto s = spbcast::receive_cache_statistics();
+        py::dict out;
+        out["limit_bytes"] = s.limit_bytes;
+        out["cached_bytes"] = s.cached_bytes;
+        out["blocks_reused"] = s.blocks_reused;
+        out["blocks_allocated"] = s.blocks_allocated;
+        return out;
+    });
 }

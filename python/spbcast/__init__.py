@@ -5,7 +5,9 @@ group, bit-exactly, with tensor identity and views preserved.
 """
 
 from ._broadcast import broadcast
-from .loader import LeaderLoader
+from ._C import receive_cache_statistics, set_receive_cache_limit
 from .errors import Error, RemoteError, SchemaError, TransportError
+from .loader import LeaderLoader
 
-__all__ = ["broadcast", "LeaderLoader", "Error", "RemoteError", "SchemaError", "TransportError"]
+__all__ = ["broadcast", "LeaderLoader", "Error", "RemoteError", "SchemaError", "TransportError",
+           "set_receive_cache_limit", "receive_cache_statistics"]

@@ -1,5 +1,6 @@
 import datetime
 
+import torch
 import torch.distributed as dist
 
 from . import _C, _wire
@@ -15,6 +16,12 @@ def _group_and_root(group, src):
     if rank < 0:
         raise Error(f"spbcast: rank {dist.get_rank()} is not a member of the group it passed to "
                     "spbcast.broadcast; call it only on the group's ranks", "invalid_argument")
+    try:
+        pg._get_backend(torch.device("cpu"))
+    except (RuntimeError, AttributeError) as e:
+        raise Error(f"spbcast: rank {dist.get_rank()}: the group has no CPU backend (spbcast sends "
+                    "CPU tensors); create the SP group with backend=\"gloo\" (or initialize with "
+                    f"backend=\"cpu:gloo,cuda:nccl\"): {e}", "invalid_argument") from e
     ranks = dist.get_process_group_ranks(pg)
     if src not in ranks:
         raise Error(f"spbcast: rank {dist.get_rank()}: src={src} is not a rank of the group (its "

@@ -163,15 +163,16 @@ class LeaderLoader:
         self._iter = None
         self._finished = False
         self._set_epoch(self.epoch)
-        if state["loader"] is not None and hasattr(self.loader, "load_state_dict"):
+        own_state = state["loader"] is not None and hasattr(self.loader, "load_state_dict")
+        if own_state:
             self.loader.load_state_dict(state["loader"])
-            self._skip = 0
-        else:
-            self._skip = self._in_epoch
-        # Saved right after an epoch's last batch: the continuous run ends that pass at its next
-        # fetch, so the resumed run starts the next epoch.
+        self._skip = 0
         if self.length > 0 and self._in_epoch >= self.length:
+            # Saved right after an epoch's last batch: the continuous run ends that pass at its
+            # next fetch, so the resumed run starts the next epoch.
             self._end_epoch()
+        elif not own_state:
+            self._skip = self._in_epoch
 
     # ---- steps ----------------------------------------------------------------------------------
 

@@ -130,7 +130,7 @@ def every_kind(seed):
         "views": {
             "base": base, "t": base.t(), "slice": base[2:5, 1::2], "expand": base[0:1].expand(4, 6),
             "scalar": torch.tensor(7), "empty": torch.empty(0, 3), "empty_view": base[8:],
-            "nan": f, "grad": grad, "no_grad_leaf": torch.ones(2),
+            "nan": f, "grad": grad, "non_leaf": grad * 2, "no_grad_leaf": torch.ones(2),
             "conj": z.conj(), "neg": z.conj().imag, "z": z,
         },
         "shared_twice": [shared, shared, frozen, plain],

@@ -82,3 +82,29 @@ def digest(value):
 
     walk(value)
     return h.hexdigest()
+
+
+class StatefulLoader:
+    """An iterable loader with its own state_dict (like torchdata's StatefulDataLoader)."""
+
+    def __init__(self, n=6):
+        self.n, self.epoch, self.start, self.pos, self.fetched = n, 0, 0, 0, 0
+
+    def __len__(self):
+        return self.n
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        start, self.start = self.start, 0
+        for i in range(start, self.n):
+            self.pos = i + 1
+            self.fetched += 1
+            yield {"epoch": self.epoch, "i": i, "t": torch.full((2,), self.epoch * 100 + i)}
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.start = state["pos"]

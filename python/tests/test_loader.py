@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 import spbcast
 from batches import assert_same
 from dist_harness import run
-from loader_data import EpochSampler, Samples, collate, digest
+from loader_data import EpochSampler, Samples, StatefulLoader, collate, digest
 
 EPOCHS = 3
 
@@ -105,10 +105,10 @@ def test_two_sp_groups_of_two():
 
 # ---- restart at step 20 of 40 ------------------------------------------------------------------
 
-TOTAL, SAVE_AT = 40, 20
+TOTAL = 40
 
 
-def _continuous(rank, world, out_dir):
+def _continuous(rank, world, out_dir, save_at):
     torch.manual_seed(99)
     ll = spbcast.LeaderLoader(_make(2, False, sampler=True), None, sp_media_dedup=True,
                               total_step=TOTAL)
@@ -116,7 +116,7 @@ def _continuous(rank, world, out_dir):
     for batch in ll:
         digests.append(digest(batch))
         _model_step()
-        if ll.step == SAVE_AT and ll.is_leader:
+        if ll.step == save_at and ll.is_leader:
             with open(os.path.join(out_dir, "state.json"), "w") as f:
                 json.dump(ll.state_dict(), f)
     assert len(digests) == TOTAL
@@ -124,7 +124,7 @@ def _continuous(rank, world, out_dir):
         json.dump(digests, f)
 
 
-def _resumed(rank, world, out_dir):
+def _resumed(rank, world, out_dir, save_at):
     with open(os.path.join(out_dir, "state.json")) as f:
         state = json.load(f)
     results = {}
@@ -142,15 +142,45 @@ def _resumed(rank, world, out_dir):
         results[dedup] = (digests, states)
     with open(os.path.join(out_dir, f"continuous{rank}.json")) as f:
         continuous = json.load(f)
-    assert results[True][0] == continuous[SAVE_AT:], "resumed batches differ from the continuous run"
-    assert results[False][0] == continuous[SAVE_AT:]
+    assert results[True][0] == continuous[save_at:], "resumed batches differ from the continuous run"
+    assert results[False][0] == continuous[save_at:]
     for i, (a, b) in enumerate(zip(results[False][1], results[True][1])):
-        assert torch.equal(a, b), f"resumed step {SAVE_AT + i + 1}: generator differs from BASE"
+        assert torch.equal(a, b), f"resumed step {save_at + i + 1}: generator differs from BASE"
 
 
-def test_restart_at_step_20_of_40(tmp_path):
-    run(2, _continuous, str(tmp_path))
-    run(2, _resumed, str(tmp_path))
+# Step 20 is mid-epoch (8 steps an epoch); step 16 is an epoch's last batch, after which the
+# resumed run must start the next epoch.
+@pytest.mark.parametrize("save_at", [20, 16])
+def test_restart_of_40_steps(tmp_path, save_at):
+    run(2, _continuous, str(tmp_path), save_at)
+    run(2, _resumed, str(tmp_path), save_at)
+
+
+def _stateful(rank, world):
+    # A loader with its own state resumes through it: nothing is fetched twice.
+    def run_loader(state=None):
+        ll = spbcast.LeaderLoader(StatefulLoader, None, sp_media_dedup=True, total_step=15)
+        if state is not None:
+            ll.load_state_dict(state)
+        seen, saved = [], None
+        for batch in ll:
+            seen.append((batch["epoch"], batch["i"], batch["t"].tolist(), ll.epoch, ll.step))
+            if ll.step == 8:
+                saved = ll.state_dict()
+        return ll, seen, saved
+
+    _, continuous, saved = run_loader()
+    assert [s[:2] for s in continuous[5:8]] == [(0, 5), (1, 0), (1, 1)]
+    assert (saved == {}) == (rank != 0)
+    saved = spbcast.broadcast(saved, src=0)  # the test gives the leader's state to both
+    resumed_ll, resumed, _ = run_loader(saved if rank == 0 else None)
+    assert resumed == continuous[8:]
+    if rank == 0:
+        assert resumed_ll.loader.fetched == 7
+
+
+def test_loader_with_its_own_state():
+    run(2, _stateful)
 
 
 # ---- configuration and failures ----------------------------------------------------------------
