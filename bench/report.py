@@ -261,7 +261,7 @@ def markdown(doc: dict) -> str:
         ok = lambda r: r is not None and r.get("status") == "ok"
         others = [r for n, r in ms.items() if n in ("naive", "coalesced") and ok(r)]
         best_other = min(others, key=lambda r: r["ms_median"]) if others else None
-        peers = [r for r in ms.values() if r.get("impl") == "python" and ok(r)]
+        peers = [r for n, r in ms.items() if r.get("impl") == "python" and ok(r) and n != "spbcast-py"]
         best_peer = min(peers, key=lambda r: r["ms_median"]) if peers else None
         payload = next((r.get("payload_bytes") for r in ms.values() if r.get("payload_bytes")), None)
         if not ok(sp):
