@@ -180,21 +180,27 @@ c10::intrusive_ptr<c10d::ProcessGroup> cpp_group(py::handle group, const std::st
     }
 }
 
-// root: the group rank of the sender. Returns the root's value on followers, None on the root.
-py::object broadcast(py::handle group, const std::string& group_name, py::handle value, int root,
-                     std::optional<double> timeout_s, bool checksum, bool use_registry) {
+// A value converted for the wire, held between the two calls so that a failing conversion on
+// the root is known before any collective (the root then sends its error instead).
+struct wire_value {
+    c10::IValue value;
+};
+
+// root: the group rank of the sender; value: the root's wire_value (None on the other ranks).
+// Returns the root's value on followers, None on the root.
+py::object broadcast(py::handle group, const std::string& group_name, const wire_value* value,
+                     int root, std::optional<double> timeout_s, bool checksum, bool use_registry) {
     auto pg = use_registry ? c10d::resolve_process_group(group_name) : cpp_group(group, group_name);
     spbcast::options opts;
     opts.root = root;
     opts.checksum = checksum;
-    if (timeout_s) {
-        if (!(*timeout_s > 0) || *timeout_s > 1e9)
-            throw py::value_error("spbcast: timeout must be a positive number of seconds");
+    if (timeout_s)  // validated on the Python side
         opts.timeout = std::chrono::milliseconds(
             std::max<int64_t>(1, static_cast<int64_t>(*timeout_s * 1000.0 + 0.5)));
-    }
     const bool is_root = pg->getRank() == root;
-    c10::IValue iv = is_root ? to_ivalue(value) : c10::IValue();
+    if (is_root && value == nullptr)
+        throw py::value_error("spbcast: the root must pass its converted value");
+    c10::IValue iv = is_root ? value->value : c10::IValue();
     try {
         py::gil_scoped_release no_gil;  // bytes move without the GIL
         spbcast::broadcast(iv, pg, opts);
@@ -220,8 +226,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("TAG_TUPLE") = TAG_TUPLE;
     m.attr("TAG_BYTES") = TAG_BYTES;
     m.attr("TAG_OBJECT") = TAG_OBJECT;
-    m.def("broadcast", &broadcast, py::arg("group"), py::arg("group_name"), py::arg("value"),
-          py::arg("root"), py::arg("timeout_s"), py::arg("checksum"), py::arg("use_registry") = false);
+    py::class_<wire_value>(m, "WireValue");
+    m.def("to_wire", [](py::handle tree) { return wire_value{to_ivalue(tree)}; }, py::arg("tree"));
+    m.def("broadcast", &broadcast, py::arg("group"), py::arg("group_name"),
+          py::arg("value").none(true), py::arg("root"), py::arg("timeout_s"), py::arg("checksum"),
+          py::arg("use_registry") = false);
     // For the tests: whether torch's binding hands over the C++ group (the registry is not used).
     m.def("binding_cast_works", [](py::handle group) {
         try {

@@ -33,9 +33,11 @@ def _group_and_root(group, src):
 def _seconds(timeout):
     if timeout is None:
         return None
-    if isinstance(timeout, datetime.timedelta):
-        return timeout.total_seconds()
-    return float(timeout)
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if type(seconds) not in (int, float) or not 0 < seconds <= 1e9:
+        raise Error(f"spbcast: timeout must be a positive number of seconds or a timedelta (got "
+                    f"{timeout!r})", "invalid_argument")
+    return float(seconds)
 
 
 def broadcast(obj, group=None, src=0, *, timeout=None, checksum=False, _use_registry=False):
@@ -57,14 +59,21 @@ def broadcast(obj, group=None, src=0, *, timeout=None, checksum=False, _use_regi
     seconds = _seconds(timeout)
     name = pg.group_name
     if rank == root:
+        me = dist.get_rank()
         try:
-            envelope = _wire.encode(obj, dist.get_rank())
-        except Error as e:
+            wire = _C.to_wire(_wire.encode(obj, me))
+        except Exception as e:  # noqa: BLE001 - whatever failed, the followers must hear of it
             # Followers are already waiting in the core's first collective: send them the error
             # instead of the value, so they raise it at once and the group stays in step.
-            _C.broadcast(pg, name, _wire.error_envelope(e), root, seconds, checksum, _use_registry)
-            raise
-        _C.broadcast(pg, name, envelope, root, seconds, checksum, _use_registry)
+            error = e if isinstance(e, Error) else Error(
+                f"spbcast: rank {me}: cannot send batch: reading it raised "
+                f"{type(e).__name__}: {e}", "unsupported_value")
+            _C.broadcast(pg, name, _C.to_wire(_wire.error_envelope(error)), root, seconds,
+                         checksum, _use_registry)
+            if error is e:
+                raise
+            raise error from e
+        _C.broadcast(pg, name, wire, root, seconds, checksum, _use_registry)
         return obj
     envelope = _C.broadcast(pg, name, None, root, seconds, checksum, _use_registry)
     return _wire.decode(envelope, dist.get_rank(), src)

@@ -1,5 +1,6 @@
 """spbcast.broadcast between real Gloo ranks: round trips, aliasing, errors, the GIL."""
 
+import dataclasses
 import enum
 import functools
 import threading
@@ -129,6 +130,19 @@ class Color(enum.Enum):
     RED = 1
 
 
+@dataclasses.dataclass
+class Unset:
+    a: int  # never set: reading it raises AttributeError
+
+
+def _unset():
+    return {"x": object.__new__(Unset)}
+
+
+# Failures that are not a refusal by spbcast's checks: (make, words in the message).
+RAISING = [(_unset, "AttributeError")]
+
+
 def _errors(rank, world):
     root = world - 1
     for make, path, words in REFUSED:
@@ -144,13 +158,21 @@ def _errors(rank, world):
             assert words in str(e)
         # The group is still in step: the next broadcast works.
         assert spbcast.broadcast("ok" if rank == 0 else None, src=0) == "ok"
+    for make, words in RAISING:
+        with pytest.raises(spbcast.Error, match=words) as info:
+            spbcast.broadcast(make() if rank == root else None, src=root)
+        assert type(info.value) is (spbcast.Error if rank == root else spbcast.RemoteError)
+        assert spbcast.broadcast("ok" if rank == 0 else None, src=0) == "ok"
+    with pytest.raises(spbcast.Error, match="timeout must be") as info:
+        spbcast.broadcast(None, src=root, timeout=-1)
+    assert info.value.code == "invalid_argument"
     # A value the core itself refuses on the root (here: nesting beyond its limits.max_depth,
     # sent past the Python checks): Error with the core's code there, RemoteError elsewhere.
     if rank == root:
         deep = functools.reduce(lambda x, _: (0, x), range(600), 0)
         with pytest.raises(spbcast.Error, match="max_depth") as info:
-            spbcast._C.broadcast(dist.group.WORLD, dist.group.WORLD.group_name, deep, root, None,
-                                 False)
+            spbcast._C.broadcast(dist.group.WORLD, dist.group.WORLD.group_name,
+                                 spbcast._C.to_wire(deep), root, None, False)
         assert type(info.value) is spbcast.Error and info.value.code == "limit_exceeded"
     else:
         with pytest.raises(spbcast.RemoteError, match="max_depth") as info:
