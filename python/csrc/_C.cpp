@@ -226,6 +226,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("TAG_TUPLE") = TAG_TUPLE;
     m.attr("TAG_BYTES") = TAG_BYTES;
     m.attr("TAG_OBJECT") = TAG_OBJECT;
+    // The core's default bounds, which the Python encoder checks first to name the Python path.
+    m.attr("MAX_STRING_BYTES") = spbcast::limits{}.max_string_bytes;
+    m.attr("MAX_IVALUE_DEPTH") = spbcast::limits{}.max_depth;
     py::class_<wire_value>(m, "WireValue");
     m.def("to_wire", [](py::handle tree) { return wire_value{to_ivalue(tree)}; }, py::arg("tree"));
     m.def("broadcast", &broadcast, py::arg("group"), py::arg("group_name"),

@@ -39,8 +39,10 @@ KIND_ERROR = 1
 
 # The core's bounds (spbcast::limits defaults), checked here first so that the error names the
 # Python path: one string or bytes value, and the nesting of containers and objects.
-MAX_STRING_BYTES = 64 << 20
-MAX_DEPTH = 250  # an object counts twice: it travels as a tuple holding a dict
+MAX_STRING_BYTES = _C.MAX_STRING_BYTES
+# Python levels: an object counts twice (it travels as a tuple holding a dict), and the
+# envelope takes one level.
+MAX_DEPTH = (_C.MAX_IVALUE_DEPTH - 2) // 2
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1

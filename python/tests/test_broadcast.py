@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 import spbcast
-from batches import assert_same, every_kind, xtuner_batch
+from batches import Frozen, assert_same, every_kind, xtuner_batch
 from dist_harness import run
+from spbcast._wire import MAX_DEPTH
 
 
 def _round_trips(rank, world):
@@ -120,7 +121,8 @@ REFUSED = [
     (lambda: [torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)], "batch[0]", "dtype torch.qint8"),
     (lambda: {"s": "x" * ((64 << 20) + 1)}, 'batch["s"]', "limit of 67108864 per string"),
     (lambda: {"b": bytes((64 << 20) + 1)}, 'batch["b"]', "torch.frombuffer"),
-    (lambda: functools.reduce(lambda x, _: [x], range(300), 0), "batch" + "[0]" * 250, "deeper than 250"),
+    (lambda: functools.reduce(lambda x, _: [x], range(MAX_DEPTH + 1), 0),
+     "batch" + "[0]" * MAX_DEPTH, f"deeper than {MAX_DEPTH}"),
     (lambda: {"mode": Color.RED}, 'batch["mode"]', "enum member"),
     (lambda: [object()], "batch[0]", "no __dict__"),
 ]
@@ -158,6 +160,11 @@ def _errors(rank, world):
             assert words in str(e)
         # The group is still in step: the next broadcast works.
         assert spbcast.broadcast("ok" if rank == 0 else None, src=0) == "ok"
+    # The deepest nesting the encoder takes also passes the core's own bound.
+    for deep in (functools.reduce(lambda x, _: [x], range(MAX_DEPTH), 0),
+                 functools.reduce(lambda x, _: Frozen(a=0, b=x), range(MAX_DEPTH // 2), 0)):
+        got = spbcast.broadcast(deep if rank == root else None, src=root)
+        assert rank == root or repr(got) == repr(deep)
     for make, words in RAISING:
         with pytest.raises(spbcast.Error, match=words) as info:
             spbcast.broadcast(make() if rank == root else None, src=root)
