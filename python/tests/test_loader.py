@@ -221,6 +221,15 @@ def _failures(rank, world):
     ll = spbcast.LeaderLoader(rand_loader, None, sp_media_dedup=True, total_epoch=1)
     with pytest.raises(spbcast.Error, match="cannot mirror"):
         next(iter(ll))
+    # SP size 1: dedup has nothing to do; every rank builds its loader and no collective runs.
+    singles = [dist.new_group([r]) for r in range(world)]
+    ll = spbcast.LeaderLoader(lambda: [[torch.ones(1)]], singles[rank], sp_media_dedup=True,
+                              total_epoch=2)
+    assert not ll.dedup and ll.loader is not None and len(list(ll)) == 2 and len(ll) == 2
+    # A rank outside the group it passes is refused (torch gives it a non-member group).
+    with pytest.raises(spbcast.Error, match="not a member") as info:
+        spbcast.broadcast(None, group=singles[1 - rank], src=1 - rank)
+    assert info.value.code == "invalid_argument"
     # The group is still usable.
     assert spbcast.broadcast("ok" if rank == 0 else None) == "ok"
 
