@@ -40,7 +40,8 @@ def _seconds(timeout):
     return float(seconds)
 
 
-def broadcast(obj, group=None, src=0, *, timeout=None, checksum=False, _use_registry=False):
+def broadcast(obj, group=None, src=0, *, timeout=None, checksum=False, _use_registry=False,
+              _name="batch"):
     """Sends ``obj`` from the global rank ``src`` to every rank of ``group`` and returns it.
 
     On ``src`` the very object passed is returned; on every other rank an identical copy on the
@@ -61,12 +62,12 @@ def broadcast(obj, group=None, src=0, *, timeout=None, checksum=False, _use_regi
     if rank == root:
         me = dist.get_rank()
         try:
-            wire = _C.to_wire(_wire.encode(obj, me))
+            wire = _C.to_wire(_wire.encode(obj, me, _name))
         except Exception as e:  # noqa: BLE001 - whatever failed, the followers must hear of it
             # Followers are already waiting in the core's first collective: send them the error
             # instead of the value, so they raise it at once and the group stays in step.
             error = e if isinstance(e, Error) else Error(
-                f"spbcast: rank {me}: cannot send batch: reading it raised "
+                f"spbcast: rank {me}: cannot send {_name}: reading it raised "
                 f"{type(e).__name__}: {e}", "unsupported_value")
             _C.broadcast(pg, name, _C.to_wire(_wire.error_envelope(error)), root, seconds,
                          checksum, _use_registry)

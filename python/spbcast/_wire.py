@@ -235,9 +235,10 @@ def _resolve_class(module, qualname):
     return obj
 
 
-def encode(value, rank):
-    """The root's value as an envelope for the core; raises spbcast.Error naming the path."""
-    body = _Encoder(rank).encode(value, (None, "batch"))
+def encode(value, rank, name="batch"):
+    """The root's value as an envelope for the core; raises spbcast.Error naming the path,
+    which starts with `name`."""
+    body = _Encoder(rank).encode(value, (None, name))
     return (MAGIC, WIRE_VERSION, KIND_VALUE, body)
 
 

@@ -108,7 +108,7 @@ class LeaderLoader:
                 init["length"] = self._local_length()
             except Exception as e:  # noqa: BLE001 - sent to the followers, re-raised below
                 init["error"] = f"{type(e).__name__}: {e}"
-        init = broadcast(init, self.group, self._leader, timeout=timeout)
+        init = broadcast(init, self.group, self._leader, timeout=timeout, _name="loader_init")
         if init["error"] is not None:
             raise Error(self._where() + ": the SP leader failed building the data loader: "
                         + init["error"], "loader")
@@ -192,7 +192,8 @@ class LeaderLoader:
             envelope["draws"] = draws[0]
             envelope["epoch"], envelope["step"] = self.epoch, self.step
         # A batch the core refuses raises here on every rank (RemoteError on followers).
-        received = broadcast(envelope, self.group, self._leader, timeout=self.timeout)
+        received = broadcast(envelope, self.group, self._leader, timeout=self.timeout,
+                             _name=f"step[{envelope['step']}]")
         if self.is_leader:
             received = envelope
         if received["error"] is not None:
