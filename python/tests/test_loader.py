@@ -17,17 +17,26 @@ from loader_data import EpochSampler, Samples, StatefulLoader, collate, digest
 EPOCHS = 3
 
 
-def _make(workers, persistent, sampler=False):
+def _make(workers, persistent, sampler=False, own_generator=False):
+    """A factory of fresh, identically configured DataLoaders."""
     ds = Samples(noise=not sampler)
-    kw = dict(batch_size=2, collate_fn=collate, num_workers=workers,
-              persistent_workers=persistent)
-    if workers:
-        # The ranks are spawned processes, whose default context would start workers by spawn
-        # too (seconds each, re-importing torch); a trainer launched by torchrun forks them.
-        kw["multiprocessing_context"] = "fork"
-    if sampler:
-        return lambda: DataLoader(ds, sampler=EpochSampler(len(ds)), **kw)
-    return lambda: DataLoader(ds, shuffle=True, **kw)  # RandomSampler on the default generator
+
+    def make():
+        kw = dict(batch_size=2, collate_fn=collate, num_workers=workers,
+                  persistent_workers=persistent)
+        if own_generator:
+            # The base seed and the sampler's seed then come from this generator: BASE draws
+            # nothing from the default one, and neither must the followers.
+            kw["generator"] = torch.Generator().manual_seed(3)
+        if workers:
+            # The ranks are spawned processes, whose default context would start workers by
+            # spawn too (seconds each, re-importing torch); a trainer under torchrun forks them.
+            kw["multiprocessing_context"] = "fork"
+        if sampler:
+            return DataLoader(ds, sampler=EpochSampler(len(ds)), **kw)
+        return DataLoader(ds, shuffle=True, **kw)  # a RandomSampler
+
+    return make
 
 
 def _model_step():
@@ -81,20 +90,23 @@ def _compare(base, dedup):
 def _matrix(rank, world, configs):
     sp_groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
     group = sp_groups[rank // 2]
-    for workers, persistent in configs:
+    for workers, persistent, *own_generator in configs:
+        make = _make(workers, persistent, own_generator=bool(own_generator))
         seed = 1234 + rank // 2  # one seed per SP group, as SP ranks must load the same batches
         torch.manual_seed(seed)
-        base = _base(_make(workers, persistent), EPOCHS)
+        base = _base(make, EPOCHS)
         end_base = torch.get_rng_state()
         torch.manual_seed(seed)
-        dedup = _dedup(_make(workers, persistent), group, EPOCHS)
+        dedup = _dedup(make, group, EPOCHS)
         end_dedup = torch.get_rng_state()
         _compare(base, dedup)
         assert torch.equal(end_base, end_dedup), f"{workers} workers: generator at the end"
 
 
-@pytest.mark.parametrize("configs", [[(0, False)], [(2, False), (2, True)]],
-                         ids=["0 workers", "2 workers, persistent and not"])
+@pytest.mark.parametrize("configs", [[(0, False), (0, False, "own generator")],
+                                     [(2, False), (2, True)]],
+                         ids=["0 workers, default and own generator",
+                              "2 workers, persistent and not"])
 def test_dataloader_equals_base(configs):
     run(2, _matrix, configs, timeout=150)
 
