@@ -240,7 +240,8 @@ def _gil_and_timeout(rank, world):
         stop.set()
         t.join()
         assert torch.equal(got, torch.ones(1000))
-        assert ticks > 100, f"the waiting thread held the GIL ({ticks} ticks in ~1 s)"
+        # Held, the GIL would allow a tick or two; released, hundreds (fewer on a loaded machine).
+        assert ticks > 20, f"the waiting thread held the GIL ({ticks} ticks in ~1 s)"
     # A root that never sends: the follower's wait ends with TransportError (code timeout) after
     # `timeout`, on a group of its own, which counts as broken afterwards.
     lonely = dist.new_group([0, 1])
