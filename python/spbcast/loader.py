@@ -2,12 +2,14 @@
 batches, and every follower's default CPU generator advances as if it had run its own loader.
 
 The Python counterpart of include/spbcast/loader.hpp. Each step the leader broadcasts one
-envelope - status, epoch, step, the RNG draws its loader made, the batch - over the SP group.
-The draws are *observed*, not predicted: the leader compares the default CPU generator's state
-around every call into its loader (iterator creation, each next) and counts the int64 seed
-draws in between, so whatever PyTorch's DataLoader does - a base seed at each iterator creation,
-none when persistent workers are reused, a RandomSampler's own seed draw per epoch - followers
-replay exactly that many ``torch.empty((), dtype=torch.int64).random_()`` on their generator.
+envelope - status, epoch, step, how far its loader advanced the default generator, the batch -
+over the SP group. The advance is *observed*, not predicted: the leader compares the default
+CPU generator's state around every call into its loader (iterator creation, each next) and
+counts the 32-bit words of the Mersenne Twister consumed in between, so whatever runs in the
+main process - the DataLoader's base seed at each iterator creation (none when persistent
+workers are reused), a RandomSampler's seed per epoch, a torch.rand in a dataset read with
+num_workers=0 - followers consume exactly as many words of their own generator. What is not a
+plain advance (a reseed, a cached normal sample) is refused on every rank.
 """
 
 import torch
@@ -16,24 +18,66 @@ import torch.distributed as dist
 from ._broadcast import broadcast
 from .errors import Error
 
-# A loader call that changes the default generator by more than this many int64 draws (or by
-# anything else) is refused: it cannot be mirrored exactly.
-_MAX_DRAWS_PER_CALL = 256
+_MT_N = 624  # words per Mersenne Twister block
+# The largest advance one loader call may make (64 Mi words: 256 MiB of random floats); beyond
+# it, or for a change that no advance explains, the draw is refused.
+_MAX_WORDS_PER_CALL = 1 << 26
+_REPLAY_CHUNK = 1 << 20
 _STATE_VERSION = 1
 _END = object()
 
 
-def _count_int64_draws(before, after):
-    """How many int64 random_() draws take the default CPU generator from before to after."""
+def _advance(generator, words):
+    """Consumes `words` 32-bit words of `generator` (None: the default CPU generator)."""
+    while words > 0:
+        n = min(words, _REPLAY_CHUNK)
+        torch.empty(n, dtype=torch.int32).random_(generator=generator)  # one word an element
+        words -= n
+
+
+def _next_index(state):
+    # CPUGeneratorImpl's serialized state (THGeneratorState, unchanged since LibTorch 1.x):
+    # u64 initial seed, i32 left, i32 seeded, u64 next (the position in the block), ...
+    return int.from_bytes(state[16:24].numpy().tobytes(), "little")
+
+
+def _layout_known():
+    """Whether _next_index reads this torch's state layout (checked once, on a scratch one)."""
+    global _LAYOUT_KNOWN
+    if _LAYOUT_KNOWN is None:
+        g = torch.Generator().manual_seed(12345)
+        before = g.get_state()
+        _advance(g, 700)
+        after = g.get_state()
+        _LAYOUT_KNOWN = (before.numel() >= 24 + 8 * _MT_N and
+                         (_next_index(after) - _next_index(before)) % _MT_N == 700 % _MT_N)
+    return _LAYOUT_KNOWN
+
+
+_LAYOUT_KNOWN = None
+
+
+def _count_words(before, after):
+    """How many 32-bit words take the default CPU generator's state from before to after, or
+    None when no advance does."""
     if torch.equal(before, after):
         return 0
     g = torch.Generator()
     g.set_state(before)
-    probe = torch.empty((), dtype=torch.int64)
-    for n in range(1, _MAX_DRAWS_PER_CALL + 1):
-        probe.random_(generator=g)
+    if _layout_known():
+        # The position in the block fixes the count modulo one block; try block by block.
+        total = (_next_index(after) - _next_index(before)) % _MT_N
+        _advance(g, total)
+        step = _MT_N
+    else:
+        total, step = 0, 1
+    while total <= _MAX_WORDS_PER_CALL:
         if torch.equal(g.get_state(), after):
-            return n
+            return total
+        _advance(g, step)
+        total += step
+        if step == 1 and total > 4 * _MT_N:  # without the layout, only short advances
+            break
     return None
 
 
@@ -99,12 +143,12 @@ class LeaderLoader:
             self.length = self._local_length()
             return
 
-        init = {"error": None, "draws": 0, "length": -1}
+        init = {"error": None, "words": 0, "length": -1}
         if self.is_leader:
             try:
                 before = torch.get_rng_state()
                 self.loader = make_loader()
-                init["draws"] = self._draws(before, "building the loader")
+                init["words"] = self._words(before, "building the loader")
                 init["length"] = self._local_length()
             except Exception as e:  # noqa: BLE001 - sent to the followers, re-raised below
                 init["error"] = f"{type(e).__name__}: {e}"
@@ -113,7 +157,7 @@ class LeaderLoader:
             raise Error(self._where() + ": the SP leader failed building the data loader: "
                         + init["error"], "loader")
         if not self.is_leader:
-            self._replay(init["draws"])
+            self._replay(init["words"])
         self.length = init["length"]
 
     # ---- public -------------------------------------------------------------------------------
@@ -180,16 +224,16 @@ class LeaderLoader:
         if not self.dedup:
             batch = self._fetch(None)
             return batch is _END, (None if batch is _END else batch)
-        envelope = {"error": None, "epoch": 0, "step": 0, "draws": 0, "done": False, "batch": None}
+        envelope = {"error": None, "epoch": 0, "step": 0, "words": 0, "done": False, "batch": None}
         if self.is_leader:
-            draws = [0]
+            words = [0]
             try:
-                batch = self._fetch(draws)
+                batch = self._fetch(words)
                 envelope["done"] = batch is _END
                 envelope["batch"] = None if batch is _END else batch
             except Exception as e:  # noqa: BLE001 - sent to the followers, re-raised below
                 envelope["error"] = f"{type(e).__name__}: {e}"
-            envelope["draws"] = draws[0]
+            envelope["words"] = words[0]
             envelope["epoch"], envelope["step"] = self.epoch, self.step
         # A batch the core refuses raises here on every rank (RemoteError on followers).
         received = broadcast(envelope, self.group, self._leader, timeout=self.timeout,
@@ -200,21 +244,22 @@ class LeaderLoader:
             raise Error(self._where() + f": the SP leader failed fetching step "
                         f"{received['step'] + 1}: {received['error']}", "loader")
         if not self.is_leader:
-            self._replay(received["draws"])
+            self._replay(received["words"])
             self.epoch, self.step = received["epoch"], received["step"]
         return received["done"], received["batch"]
 
-    def _fetch(self, draws):
+    def _fetch(self, words):
         """The one fetch/epoch loop: the next batch of the current pass; at the end of a pass,
-        advance the epoch and start the next one. Counts the generator draws into draws[0]."""
+        advance the epoch and start the next one. Counts the generator words into words[0]
+        (None: not counted, dedup is off)."""
         if self._finished or (self.total_step is not None and self.step >= self.total_step):
             self._finished = True
             return _END
         empty_passes = 0
         while True:
             if self._iter is None:
-                self._iter = self._call(iter, self.loader, draws, "creating the loader's iterator")
-            batch = self._call(next, self._iter, draws, "fetching a batch", _END)
+                self._iter = self._call(iter, self.loader, words, "creating the loader's iterator")
+            batch = self._call(next, self._iter, words, "fetching a batch", _END)
             if batch is not _END and self._skip > 0:
                 self._skip -= 1
                 continue
@@ -231,30 +276,29 @@ class LeaderLoader:
                 raise Error(self._where() + ": the data loader yielded no batch for a whole epoch; "
                             "check the dataset and the sampler", "loader")
 
-    def _call(self, fn, arg, draws, doing, *default):
-        if draws is None:
+    def _call(self, fn, arg, words, doing, *default):
+        if words is None:
             return fn(arg, *default)
         before = torch.get_rng_state()
         out = fn(arg, *default)
-        draws[0] += self._draws(before, doing)
+        words[0] += self._words(before, doing)
         return out
 
-    def _draws(self, before, doing):
-        n = _count_int64_draws(before, torch.get_rng_state())
+    def _words(self, before, doing):
+        n = _count_words(before, torch.get_rng_state())
         if n is None:
-            raise Error(self._where() + f": {doing} drew from the default CPU generator in a way "
-                        "spbcast cannot mirror on the followers (not int64 seed draws, as "
-                        "PyTorch's DataLoader and samplers make); give that code a torch.Generator "
-                        "of its own or move it into DataLoader workers", "loader")
+            raise Error(self._where() + f": {doing} changed the default CPU generator in a way "
+                        "spbcast cannot mirror on the followers (not an advance of it: a reseed, "
+                        "a cached normal sample); give that code a torch.Generator of its own or "
+                        "move it into DataLoader workers", "loader")
         return n
 
     @staticmethod
-    def _replay(n):
-        if type(n) is not int or not 0 <= n <= 1 << 20:
-            raise Error(f"spbcast: the SP leader sent an invalid RNG draw count {n!r}", "corrupt_frame")
-        probe = torch.empty((), dtype=torch.int64)
-        for _ in range(n):
-            probe.random_()
+    def _replay(words):
+        if type(words) is not int or not 0 <= words <= 1 << 40:
+            raise Error(f"spbcast: the SP leader sent an invalid generator advance {words!r}",
+                        "corrupt_frame")
+        _advance(None, words)
 
     def _end_epoch(self):
         self._iter = None

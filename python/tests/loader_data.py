@@ -10,8 +10,8 @@ from batches import SequenceContext
 
 
 class Samples(Dataset):
-    def __init__(self, n=16, length=64, noise=True):
-        self.n, self.length, self.noise = n, length, noise
+    def __init__(self, n=16, length=64, noise=True, main_noise=False):
+        self.n, self.length, self.noise, self.main_noise = n, length, noise, main_noise
 
     def __len__(self):
         return self.n
@@ -22,7 +22,18 @@ class Samples(Dataset):
         # In a worker, augmentation draws from the worker's generator, which PyTorch seeds from
         # the loader's base seed: the batch depends on the base seed the leader drew. (A run
         # resumed in a new process draws other base seeds, so the restart test turns it off.)
-        noise = torch.randint(0, 7, (1,)) if self.noise and get_worker_info() is not None else torch.zeros(1, dtype=torch.int64)
+        if get_worker_info() is not None:
+            noise = torch.randint(0, 7, (1,)) if self.noise else torch.zeros(1, dtype=torch.int64)
+        else:
+            # Read in the main process (num_workers=0), augmentation draws from the default
+            # generator itself, which followers must mirror: 1 or 2 words (odd totals too), and
+            # for one sample more than a Mersenne Twister block.
+            if self.main_noise:
+                noise = torch.randint(0, 7, (1 + i % 2,)).sum(0, keepdim=True)
+                if i == 5:
+                    noise = noise + (torch.rand(1000) > 0.5).sum()
+            else:
+                noise = torch.zeros(1, dtype=torch.int64)
         pixels = torch.randn(4, 8, generator=g) + noise
         return ids, pixels
 

@@ -17,9 +17,9 @@ from loader_data import EpochSampler, Samples, StatefulLoader, collate, digest
 EPOCHS = 3
 
 
-def _make(workers, persistent, sampler=False, own_generator=False):
+def _make(workers, persistent, sampler=False, own_generator=False, main_noise=False):
     """A factory of fresh, identically configured DataLoaders."""
-    ds = Samples(noise=not sampler)
+    ds = Samples(noise=not sampler, main_noise=main_noise)
 
     def make():
         kw = dict(batch_size=2, collate_fn=collate, num_workers=workers,
@@ -90,8 +90,9 @@ def _compare(base, dedup):
 def _matrix(rank, world, configs):
     sp_groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
     group = sp_groups[rank // 2]
-    for workers, persistent, *own_generator in configs:
-        make = _make(workers, persistent, own_generator=bool(own_generator))
+    for workers, persistent, *option in configs:
+        make = _make(workers, persistent, own_generator=option == ["own generator"],
+                     main_noise=option == ["main-process noise"])
         seed = 1234 + rank // 2  # one seed per SP group, as SP ranks must load the same batches
         torch.manual_seed(seed)
         base = _base(make, EPOCHS)
@@ -103,9 +104,10 @@ def _matrix(rank, world, configs):
         assert torch.equal(end_base, end_dedup), f"{workers} workers: generator at the end"
 
 
-@pytest.mark.parametrize("configs", [[(0, False), (0, False, "own generator")],
+@pytest.mark.parametrize("configs", [[(0, False), (0, False, "own generator"),
+                                      (0, False, "main-process noise")],
                                      [(2, False), (2, True)]],
-                         ids=["0 workers, default and own generator",
+                         ids=["0 workers: default generator, own generator, augmentation",
                               "2 workers, persistent and not"])
 def test_dataloader_equals_base(configs):
     run(2, _matrix, configs, timeout=150)
@@ -233,12 +235,13 @@ def _failures(rank, world):
         next(iter(ll))
     assert type(info.value) is (spbcast.Error if rank == 0 else spbcast.RemoteError)
 
-    # Main-process draws that are not seed draws cannot be mirrored: refused on every rank.
-    def rand_loader():
-        return (torch.rand(3) for _ in range(2))
-    ll = spbcast.LeaderLoader(rand_loader, None, sp_media_dedup=True, total_epoch=1)
-    with pytest.raises(spbcast.Error, match="cannot mirror"):
+    # A loader that reseeds the default generator cannot be mirrored: refused on every rank.
+    def reseeding_loader():
+        return (torch.manual_seed(5) and [torch.ones(1)] for _ in range(2))
+    ll = spbcast.LeaderLoader(reseeding_loader, None, sp_media_dedup=True, total_epoch=1)
+    with pytest.raises(spbcast.Error, match="cannot mirror") as info:
         next(iter(ll))
+    assert info.value.code == "loader"
     # SP size 1: dedup has nothing to do; every rank builds its loader and no collective runs.
     singles = [dist.new_group([r]) for r in range(world)]
     ll = spbcast.LeaderLoader(lambda: [[torch.ones(1)]], singles[rank], sp_media_dedup=True,
