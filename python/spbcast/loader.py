@@ -20,7 +20,7 @@ from .errors import Error
 
 _MT_N = 624  # words per Mersenne Twister block
 # The largest advance one loader call may make (64 Mi words: 256 MiB of random floats); beyond
-# it, or for a change that no advance explains, the draw is refused.
+# it, or for a change that no advance explains, the call is refused.
 _MAX_WORDS_PER_CALL = 1 << 26
 _REPLAY_CHUNK = 1 << 20
 _STATE_VERSION = 1
