@@ -35,7 +35,7 @@ void send_frame(collective<Group>& c, frame_header header, const std::vector<std
     auto* out = first.data_ptr<std::uint8_t>();
     std::memcpy(out, &header, sizeof header);
     const std::size_t inline_part = std::min(body.size(), inline_body_bytes);
-    std::memcpy(out + sizeof header, body.data(), inline_part);
+    if (inline_part != 0) std::memcpy(out + sizeof header, body.data(), inline_part);  // a keep-alive has no body
     c.launch(first, "frame");
     if (body.size() > inline_part) {
         at::Tensor rest = at::empty({static_cast<std::int64_t>(body.size() - inline_part)}, at::kByte);
