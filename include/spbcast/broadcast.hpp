@@ -13,11 +13,13 @@
 #include "detail/collective.hpp"
 #include "detail/receive.hpp"
 #include "detail/send.hpp"
+#include "detail/shm_channel.hpp"
 #include "error.hpp"
 #include "group.hpp"
 #include "options.hpp"
 #include "receive_cache.hpp"
 #include "schema.hpp"
+#include "shared_memory.hpp"
 
 #include <ATen/ATen.h>
 
@@ -38,6 +40,29 @@ inline void check_options(const options& opts, int rank, int size) {
     if (opts.bucket_bytes == 0) bad("options.bucket_bytes must be positive");
 }
 
+// The same-host state of (group, root): decided by the handshake on the first broadcast that
+// may use it, by every rank together. Null when the network path is used.
+template <class Group>
+std::shared_ptr<same_host_state> same_host_for(Group& g, const options& opts, std::uint64_t sequence) {
+    if (opts.transport == transport_mode::network) return nullptr;
+    auto& registry = same_host_registry::instance();
+    auto state = registry.find(&g, opts.root);
+    if (!state) {
+        state = same_host_handshake(g, opts, sequence);
+        registry.put(&g, opts.root, state);
+    }
+    if (state->shared) return state;
+    if (opts.transport == transport_mode::shared_memory)
+        throw error(errc::invalid_argument,
+                    "spbcast: rank " + std::to_string(g.getRank()) + ": broadcast #" + std::to_string(sequence) +
+                        " from root " + std::to_string(opts.root) +
+                        ": options.transport = shared_memory, but the same-host path cannot be used "
+                        "in this group (" + state->why_not +
+                        "); run every rank of the group on one host, as one user, in one network "
+                        "namespace, or use transport_mode::automatic to fall back to the network");
+    return nullptr;
+}
+
 }  // namespace detail
 
 // Broadcasts `value` from the group rank options.root to every rank of `group`. On the root
@@ -52,12 +77,20 @@ void broadcast(T& value, Group&& group, const options& opts = {}) {
     const int size = g.getSize();
     detail::check_options(opts, rank, size);
     if (size == 1) return;
-    detail::collective<std::remove_reference_t<decltype(g)>> c(g, opts,
-                                                               detail::next_sequence(&g));
-    if (rank == opts.root)
-        detail::send(c, value);
-    else
-        detail::receive(c, value);
+    const std::uint64_t sequence = detail::next_sequence(&g);
+    try {
+        const auto same_host = detail::same_host_for(g, opts, sequence);
+        detail::collective<std::remove_reference_t<decltype(g)>> c(g, opts, sequence);
+        if (rank == opts.root)
+            detail::send(c, value, same_host.get());
+        else
+            detail::receive(c, value, same_host.get());
+    } catch (const transport_error&) {
+        // The group is unusable: its same-host sockets close now, and segments still mapped by
+        // other ranks are never written again.
+        detail::same_host_registry::instance().drop(&g, opts.root);
+        throw;
+    }
 }
 
 }  // namespace spbcast

@@ -15,7 +15,9 @@ inline constexpr std::uint16_t format_version = 1;
 inline constexpr std::size_t inline_frame_bytes = 8192;  // header + first body bytes
 
 enum class frame_status : std::uint16_t { ok = 0, error = 1 };
-enum frame_flags : std::uint32_t { checksum_trailer = 1 };
+// shared_segment: the payload lies in a shared-memory segment (same_host.hpp) described after
+// the slot table, and no payload collective follows.
+enum frame_flags : std::uint32_t { checksum_trailer = 1, shared_segment = 2 };
 
 struct frame_header {
     std::uint32_t magic = frame_magic;

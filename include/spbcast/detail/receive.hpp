@@ -9,6 +9,7 @@
 #include "bytes.hpp"
 #include "collective.hpp"
 #include "frame.hpp"
+#include "same_host.hpp"
 #include "tensor_plan.hpp"
 #include "value_codec.hpp"
 
@@ -82,12 +83,14 @@ inline std::optional<std::uint64_t> drain_scratch_bytes(const std::vector<slot_m
 template <class Group>
 void drain_payload(collective<Group>& c, const frame_header& header,
                    const std::vector<slot_meta>& slots) {
-    const auto largest = drain_scratch_bytes(slots, c.opts().limits);
-    if (!largest) return;  // refuse to allocate; the root times out
-    at::Tensor scratch = at::empty({static_cast<std::int64_t>(*largest)}, at::kByte);
-    for (std::size_t i = 0; i < slots.size(); ++i)
-        c.run(scratch.narrow(0, 0, static_cast<std::int64_t>(slots[i].bytes)),
-              "draining payload slot " + std::to_string(i));
+    if (!(header.flags & shared_segment)) {  // a shared segment has no payload collectives
+        const auto largest = drain_scratch_bytes(slots, c.opts().limits);
+        if (!largest) return;  // refuse to allocate; the root times out
+        at::Tensor scratch = at::empty({static_cast<std::int64_t>(*largest)}, at::kByte);
+        for (std::size_t i = 0; i < slots.size(); ++i)
+            c.run(scratch.narrow(0, 0, static_cast<std::int64_t>(slots[i].bytes)),
+                  "draining payload slot " + std::to_string(i));
+    }
     if (header.flags & checksum_trailer)
         c.run(at::empty({static_cast<std::int64_t>(8 * slots.size())}, at::kByte), "draining checksums");
 }
@@ -105,6 +108,8 @@ inline std::string schema_difference(std::string_view local, std::string_view ro
 struct parsed_frame {
     receive_plan plan;
     std::size_t values_offset = 0, values_size = 0;
+    // Where the payload lies when it came in a shared segment.
+    std::optional<segment_layout> segment;
     // Set when this rank cannot use the batch (schema or version mismatch): the payload is
     // drained first, then this is thrown.
     std::exception_ptr mismatch;
@@ -129,6 +134,7 @@ parsed_frame parse_frame(const frame_header& header, const std::vector<std::uint
     parsed_frame frame;
     frame.plan.read_slot_table(in);
     if (frame.plan.slots().size() != header.slot_count) in.fail("slot count differs from the header");
+    if (header.flags & shared_segment) frame.segment = segment_layout::read(in, frame.plan.slots());
     if (header.version != format_version) {
         frame.mismatch = std::make_exception_ptr(error(
             errc::version_mismatch,
@@ -180,20 +186,41 @@ T decode_value(const parsed_frame& frame, const std::vector<std::uint8_t>& body,
 }
 
 template <class T, class Group>
-void receive_unchecked(collective<Group>& c, T& value) {
+void receive_unchecked(collective<Group>& c, T& value, same_host_state* same_host) {
     const options& opts = c.opts();
     auto [header, body] = receive_frame(c);
+    // The root handed the segment over before the frame; take it off the socket first, so the
+    // socket stays in step whatever this rank does with the batch.
+    std::optional<segment_delivery> delivery;
+    if (header.flags & shared_segment) delivery = take_segment(c, same_host);
     parsed_frame frame = parse_frame<T>(header, body, opts.limits, c.where(), opts.root);
     if (frame.mismatch) {
+        delivery.reset();
         drain_payload(c, header, frame.plan.slots());
         std::rethrow_exception(frame.mismatch);
     }
 
     receive_plan& plan = frame.plan;
-    plan.allocate();
     const auto& slots = plan.slots();
     std::vector<std::uint64_t> checksums(slots.size());
-    for (std::uint32_t i = 0; i < slots.size(); ++i) {
+    if (frame.segment) {
+        std::vector<at::Tensor> slot_data;
+        try {
+            slot_data = map_segment(c, *delivery, *frame.segment, slots, header.sequence);
+        } catch (const spbcast::error&) {
+            delivery.reset();
+            drain_payload(c, header, slots);  // the checksum trailer, if announced
+            throw;
+        }
+        delivery.reset();
+        if (opts.checksum)
+            for (std::uint32_t i = 0; i < slots.size(); ++i)
+                checksums[i] = checksum64(slot_data[i].data_ptr(), slot_data[i].numel());
+        plan.adopt_slots(std::move(slot_data));
+    } else {
+        plan.allocate();
+    }
+    for (std::uint32_t i = 0; i < slots.size() && !frame.segment; ++i) {
         at::Tensor buffer = plan.slot_receive_tensor(i);
         c.launch(buffer, "payload slot " + std::to_string(i + 1) + "/" + std::to_string(slots.size()),
                  [&plan, &checksums, &opts, buffer, i] {
@@ -224,9 +251,9 @@ void receive_unchecked(collective<Group>& c, T& value) {
 // (ATen's copy_ into gathered views) and draining (at::empty), so nothing from ATen or c10 ever
 // leaves a follower as anything but spbcast::error.
 template <class T, class Group>
-void receive(collective<Group>& c, T& value) {
+void receive(collective<Group>& c, T& value, same_host_state* same_host = nullptr) {
     try {
-        receive_unchecked(c, value);
+        receive_unchecked(c, value, same_host);
     } catch (const spbcast::error&) {
         throw;
     } catch (const std::bad_alloc&) {

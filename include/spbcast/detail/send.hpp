@@ -7,6 +7,7 @@
 #include "bytes.hpp"
 #include "collective.hpp"
 #include "frame.hpp"
+#include "same_host.hpp"
 #include "tensor_plan.hpp"
 #include "value_codec.hpp"
 
@@ -15,6 +16,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -43,17 +45,22 @@ void send_frame(collective<Group>& c, frame_header header, const std::vector<std
     }
 }
 
+// `same_host`: the (group, root) chose the same-host path; the payload then goes into a shared
+// segment before the frame is sent, and no payload collective follows.
 template <class T, class Group>
-void send(collective<Group>& c, const T& value) {
+void send(collective<Group>& c, const T& value, same_host_state* same_host = nullptr) {
     const options& opts = c.opts();
     send_plan plan;
     byte_writer body;
     byte_writer values;
     encoder enc(values, plan, opts.limits);
+    std::optional<segment_layout> layout;
     try {
         enc.value(value);
         plan.finish(opts);
+        if (same_host) layout = place_payload(*same_host, plan, c.sequence(), opts.checksum);
         plan.write_slot_table(body);
+        if (layout) layout->write(body);
         body.put_string(schema_of<T>);
         body.put<std::uint64_t>(values.size());
         body.put_bytes(values.bytes().data(), values.size());
@@ -77,6 +84,8 @@ void send(collective<Group>& c, const T& value) {
         error_body.put_string(std::string_view(message).substr(0, max_error_message_bytes));
         frame_header header;
         header.status = static_cast<std::uint16_t>(frame_status::error);
+        // Followers were handed the segment already: they take it off their socket and let go.
+        header.flags = layout ? shared_segment : 0;
         header.fingerprint = fingerprint_of<T>;
         send_frame(c, header, error_body.bytes());
         c.wait_all();
@@ -87,15 +96,19 @@ void send(collective<Group>& c, const T& value) {
     header.fingerprint = fingerprint_of<T>;
     header.payload_bytes = plan.payload_bytes();
     header.slot_count = static_cast<std::uint32_t>(plan.slots().size());
-    header.flags = opts.checksum ? checksum_trailer : 0;
+    header.flags = (opts.checksum ? checksum_trailer : 0) | (layout ? shared_segment : 0);
     send_frame(c, header, body.bytes());
 
     std::vector<std::uint64_t> checksums;
-    for (std::uint32_t i = 0; i < plan.slots().size(); ++i) {
-        at::Tensor slot = plan.slot_tensor(i);
-        if (opts.checksum) checksums.push_back(checksum64(slot.data_ptr(), slot.numel()));
-        c.launch(std::move(slot), "payload slot " + std::to_string(i + 1) + "/" +
-                                      std::to_string(plan.slots().size()));
+    if (layout) {
+        checksums = layout->checksums;
+    } else {
+        for (std::uint32_t i = 0; i < plan.slots().size(); ++i) {
+            at::Tensor slot = plan.slot_tensor(i);
+            if (opts.checksum) checksums.push_back(checksum64(slot.data_ptr(), slot.numel()));
+            c.launch(std::move(slot), "payload slot " + std::to_string(i + 1) + "/" +
+                                          std::to_string(plan.slots().size()));
+        }
     }
     if (opts.checksum) {
         at::Tensor trailer = at::empty({static_cast<std::int64_t>(8 * checksums.size())}, at::kByte);

@@ -288,7 +288,19 @@ public:
                                  [keep = source.storage](void*) {}, at::kByte);
         }
         at::Tensor bucket = at::empty({static_cast<std::int64_t>(slot.bytes)}, at::kByte);
-        auto* out = bucket.data_ptr<std::uint8_t>();
+        pack_slot(i, bucket.data_ptr<std::uint8_t>());
+        return bucket;
+    }
+
+    // Writes the bytes of slot `i` to `out` (slot.bytes of them): the storage's span for an
+    // in-place slot, the packed bucket otherwise.
+    void pack_slot(std::uint32_t i, std::uint8_t* out) const {
+        const slot_meta& slot = slots_[i];
+        if (slot.in_place) {
+            const storage_source& source = sources_[slot.storages.front()];
+            std::memcpy(out, source.base + source.lo, slot.bytes);
+            return;
+        }
         for (std::uint32_t s : slot.storages) {
             const storage_meta& storage = storages_[s];
             const storage_source& source = sources_[s];
@@ -305,7 +317,6 @@ public:
                 at::from_blob(out + offset, src.sizes(), src.options()).copy_(src);
             });
         }
-        return bucket;
     }
 
     const std::vector<slot_meta>& slots() const { return slots_; }
@@ -452,6 +463,29 @@ public:
         }
         for (std::uint32_t s = 0; s < storages_.size(); ++s)
             if (!storage_data_[s].defined()) storage_data_[s] = memory.allocate(storages_[s].nbytes);
+    }
+
+    // The same-host path: slot `i` already lies in `slot_data[i]` (a mapping of the root's
+    // segment). In-place storages and spans in a bucket are those bytes, with no copy; only
+    // gathered storages get memory of their own and are scattered into.
+    void adopt_slots(std::vector<at::Tensor> slot_data) {
+        auto& memory = receive_memory::instance();
+        storage_data_.assign(storages_.size(), at::Tensor());
+        bucket_data_ = std::move(slot_data);
+        for (std::uint32_t i = 0; i < slots_.size(); ++i) {
+            const slot_meta& slot = slots_[i];
+            if (slot.in_place) {
+                storage_data_[slot.storages.front()] = bucket_data_[i];
+                continue;
+            }
+            for (std::uint32_t s : slot.storages)
+                if (!storages_[s].gather)
+                    storage_data_[s] = storage_within(bucket_data_[i], storages_[s].slot_offset,
+                                                      storages_[s].nbytes);
+        }
+        for (std::uint32_t s = 0; s < storages_.size(); ++s)
+            if (!storage_data_[s].defined()) storage_data_[s] = memory.allocate(storages_[s].nbytes);
+        for (std::uint32_t i = 0; i < slots_.size(); ++i) unpack_slot(i);
     }
 
     // Where slot `i` is received: straight into its storage when in place, else its bucket.
