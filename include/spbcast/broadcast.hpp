@@ -45,11 +45,14 @@ inline void check_options(const options& opts, int rank, int size) {
 template <class Group>
 std::shared_ptr<same_host_state> same_host_for(Group& g, const options& opts, std::uint64_t sequence) {
     if (opts.transport == transport_mode::network) return nullptr;
+    // A user's own transport cannot be told from a later one at the same address (see
+    // same_host_registry): it takes the same-host path only when asked for explicitly.
+    if (opts.transport == transport_mode::automatic && !same_host_registry::tracked<Group>) return nullptr;
     auto& registry = same_host_registry::instance();
     auto state = registry.find(&g, opts.root);
     if (!state) {
         state = same_host_handshake(g, opts, sequence);
-        registry.put(&g, opts.root, state);
+        registry.put(&g, opts.root, state, same_host_registry::owner_of(g));
     }
     if (state->shared) return state;
     if (opts.transport == transport_mode::shared_memory)

@@ -20,6 +20,7 @@
 #include "shm_segment.hpp"
 
 #include <ATen/ATen.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <poll.h>
 #include <sys/socket.h>
@@ -34,6 +35,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <type_traits>
 #include <random>
 #include <set>
 #include <string>
@@ -274,21 +277,44 @@ struct same_host_state {
     }
 };
 
-// Per (group, root) state, keyed by the group object's address like the broadcast count.
+// Per (group, root) state. A c10d group (an intrusive_ptr_target: ProcessGroup, Backend,
+// ProcessGroupGloo) is tracked by a weak reference, so a new group can never be taken for a
+// destroyed one at the same address; the state of a destroyed group is dropped (its sockets
+// closed) at the next broadcast of any group. A weak reference keeps the group's memory, and
+// so its destructor, until then. Other group types are keyed by their address only: they use
+// the same-host path only when asked for explicitly (see same_host_for in broadcast.hpp).
 class same_host_registry {
 public:
     static same_host_registry& instance() {
         static auto* r = new same_host_registry();
         return *r;
     }
+
+    // A weak reference to `g` when it is a reference-counted c10 object, else nothing.
+    template <class G>
+    static std::optional<c10::weak_intrusive_ptr<c10::intrusive_ptr_target>> owner_of(G& g) {
+        if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, G>) {
+            auto* target = static_cast<c10::intrusive_ptr_target*>(&g);
+            if (c10::raw::intrusive_ptr::use_count(target) == 0) return std::nullopt;  // not heap-owned
+            auto strong = c10::intrusive_ptr<c10::intrusive_ptr_target>::unsafe_reclaim_from_nonowning(target);
+            return c10::weak_intrusive_ptr<c10::intrusive_ptr_target>(strong);
+        } else {
+            return std::nullopt;
+        }
+    }
+    template <class G>
+    static constexpr bool tracked = std::is_base_of_v<c10::intrusive_ptr_target, G>;
+
     std::shared_ptr<same_host_state> find(const void* group, int root) {
+        sweep();
         std::lock_guard<std::mutex> lock(mutex_);
         auto it = states_.find({group, root});
-        return it == states_.end() ? nullptr : it->second;
+        return it == states_.end() ? nullptr : it->second.state;
     }
-    void put(const void* group, int root, std::shared_ptr<same_host_state> s) {
+    void put(const void* group, int root, std::shared_ptr<same_host_state> s,
+             std::optional<c10::weak_intrusive_ptr<c10::intrusive_ptr_target>> owner) {
         std::lock_guard<std::mutex> lock(mutex_);
-        states_[{group, root}] = std::move(s);
+        states_.insert_or_assign(std::make_pair(group, root), entry{std::move(s), std::move(owner)});
     }
     // Drops the state of a failed group: its sockets close now. When no same-host state is
     // left, the free segments serve nobody and are freed too.
@@ -299,7 +325,7 @@ public:
             std::lock_guard<std::mutex> lock(mutex_);
             auto it = states_.find({group, root});
             if (it == states_.end()) return;
-            s = std::move(it->second);
+            s = std::move(it->second.state);
             states_.erase(it);
             last = states_.empty();
         }
@@ -307,18 +333,43 @@ public:
         if (last) shm_pool::instance().release_free();
     }
     void drop_all() {
-        std::map<std::pair<const void*, int>, std::shared_ptr<same_host_state>> states;
+        std::map<std::pair<const void*, int>, entry> states;
         {
             std::lock_guard<std::mutex> lock(mutex_);
             states.swap(states_);
         }
-        for (auto& [key, s] : states) s->tear_down();
+        for (auto& [key, e] : states) e.state->tear_down();
         shm_pool::instance().release_free();
     }
 
 private:
+    struct entry {
+        std::shared_ptr<same_host_state> state;
+        std::optional<c10::weak_intrusive_ptr<c10::intrusive_ptr_target>> owner;
+    };
+
+    // Drops the states of destroyed groups.
+    void sweep() {
+        std::vector<entry> dead;
+        bool last = false;
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            for (auto it = states_.begin(); it != states_.end();) {
+                if (it->second.owner && it->second.owner->expired()) {
+                    dead.push_back(std::move(it->second));
+                    it = states_.erase(it);
+                } else {
+                    ++it;
+                }
+            }
+            last = !dead.empty() && states_.empty();
+        }
+        for (auto& e : dead) e.state->tear_down();
+        if (last) shm_pool::instance().release_free();
+    }
+
     std::mutex mutex_;
-    std::map<std::pair<const void*, int>, std::shared_ptr<same_host_state>> states_;
+    std::map<std::pair<const void*, int>, entry> states_;
 };
 
 // ---------------------------------------------------------------------------------------------
