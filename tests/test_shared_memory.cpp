@@ -167,7 +167,7 @@ TEST_CASE("shared memory: a follower rejects a short, unsealed or out-of-order s
         } catch (const spbcast::error& e) {
             CHECK(e.code() == spbcast::errc::corrupt_frame);
             CHECK(std::string(e.what()).find("rank 1") != std::string::npos);
-            MESSAGE(what << ": " << e.what());
+            MESSAGE(what << ": " << std::string(e.what()));
         }
     };
 

@@ -50,7 +50,8 @@ public:
     };
 
     // A free segment of at least `bytes` (reused when one fits without wasting more than a
-    // quarter), or a new one; marked held by `holders` followers. On failure an empty lease
+    // quarter or 2 MiB: followers map only the bytes in use, so the slack costs nobody new
+    // memory), or a new one; marked held by `holders` followers. On failure an empty lease
     // and the reason.
     lease acquire(std::size_t bytes, int holders, std::string& why_not) {
         const std::size_t need = std::max<std::size_t>((bytes + rounding - 1) / rounding * rounding, rounding);
@@ -67,7 +68,8 @@ public:
         }
         entry* best = nullptr;
         for (auto& [id, e] : segments_)
-            if (e.holders == 0 && e.segment.capacity() >= need && e.segment.capacity() - need <= need / 4 &&
+            if (e.holders == 0 && e.segment.capacity() >= need &&
+                e.segment.capacity() - need <= std::max(need / 4, std::size_t{2} << 20) &&
                 (!best || e.segment.capacity() < best->segment.capacity()))
                 best = &e;
         if (best) {
