@@ -21,13 +21,15 @@ Media make_media(int64_t step) {
                  at::arange(step, step + 64, at::kInt).remainder(2).to(at::kBool)};
 }
 
-// Broadcasts `steps` batches from rank 0 to rank 1; `follower` sees each one rank 1 received.
+// Broadcasts `steps` batches from rank 0 to rank 1 over the network path (the receive cache is
+// its memory; the same-host path maps the root's segments instead); `follower` sees each one
+// rank 1 received.
 template <class Follower>
 void two_ranks(int steps, Follower follower) {
     run_ranks(2, [&](int rank, auto& group) {
         for (int step = 0; step < steps; ++step) {
             Media batch = rank == 0 ? make_media(step) : Media{};
-            spbcast::broadcast(batch, group);
+            spbcast::broadcast(batch, group, {.transport = spbcast::transport_mode::network});
             if (rank == 1) follower(step, batch);
         }
     });
