@@ -9,6 +9,8 @@
 //   spbcast_shm_worker kill_loop <seed>
 //       broadcasts batches of random sizes until the group fails (a rank is SIGKILLed by the
 //       test); a survivor must raise spbcast::error, then holds no descriptor of ours: exit 3.
+//   spbcast_shm_worker fallback <profile>
+//       the root cannot create a segment for one batch: it goes over the network, intact.
 //   spbcast_shm_worker soak <rounds>
 //       many small and mid-sized batches; descriptor count and memory must stay flat.
 #include "profiles.hpp"
@@ -17,6 +19,7 @@
 
 #include <dirent.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -242,6 +245,44 @@ int kill_loop(char** argv) {
     }
 }
 
+// The root cannot create a segment (no descriptor left: memfd_create fails with EMFILE): that
+// batch goes over the network, intact; the next one takes the same-host path again.
+int fallback(char** argv) {
+    const auto profile = xtuner::profile_from_name(argv[2]);
+    const auto env = spbcast::dist::launch_env::from_environment();
+    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
+    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    const spbcast::options opts{.timeout = std::chrono::seconds(30)};
+    for (int step = 0; step < 3; ++step) {
+        rlimit saved{};
+        ::getrlimit(RLIMIT_NOFILE, &saved);
+        if (env.rank == 0 && step == 1) {
+            spbcast::release_shared_memory();
+            rlimit tight = saved;
+            tight.rlim_cur = 3;  // no new descriptor: 0, 1 and 2 are taken
+            ::setrlimit(RLIMIT_NOFILE, &tight);
+        }
+        xtuner::Batch batch;
+        if (env.rank == 0) batch = xtuner::make_batch(profile, 1 + step, step);
+        const auto before = spbcast::shared_memory_statistics();
+        spbcast::broadcast(batch, group, opts);
+        const auto after = spbcast::shared_memory_statistics();
+        ::setrlimit(RLIMIT_NOFILE, &saved);
+        if (spbcast::digest(batch) != spbcast::digest(xtuner::make_batch(profile, 1 + step, step))) {
+            std::cerr << "rank " << env.rank << ": step " << step << " differs from the root's batch\n";
+            return 1;
+        }
+        if (env.rank == 0) {
+            const bool fell_back = after.network_fallbacks == before.network_fallbacks + 1;
+            std::cout << "rank 0 step " << step << (fell_back ? " network fallback" : " shared segment") << "\n";
+            if (fell_back != (step == 1)) return 1;
+        }
+        barrier(group);
+    }
+    std::cout << "rank " << env.rank << " ok\n";
+    return 0;
+}
+
 int soak(char** argv) {
     const int rounds = std::stoi(argv[2]);
     const auto env = spbcast::dist::launch_env::from_environment();
@@ -303,6 +344,7 @@ int main(int argc, char** argv) {
         if (mode == "root_dies") return root_dies(argv);
         if (mode == "kill_loop") return kill_loop(argv);
         if (mode == "soak") return soak(argv);
+        if (mode == "fallback") return fallback(argv);
         std::cerr << "unknown mode or arguments\n";
         return 2;
     } catch (const std::exception& e) {

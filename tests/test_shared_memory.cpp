@@ -2,6 +2,7 @@
 // real Gloo group on 127.0.0.1 (tests/shm_worker.cpp), real SIGKILLs, real descriptors; and
 // the follower's checks of a segment it is handed, over a real socket.
 #include "support/processes.hpp"
+#include "support/ranks.hpp"
 
 #include <spbcast/spbcast.hpp>
 
@@ -124,6 +125,42 @@ TEST_CASE("shared memory: 10 000 broadcasts keep descriptors and memory flat") {
         worker(), 3, [&](int) { return std::vector<std::string>{"soak", std::to_string(rounds)}; }, 600s);
     require_all_ok(results);
     MESSAGE(spbcast_test::describe(results));
+}
+
+TEST_CASE("shared memory: a batch whose segment cannot be created goes over the network, intact") {
+    const auto results = spbcast_test::run_processes(
+        worker(), 3, [](int) { return std::vector<std::string>{"fallback", "qwen3-vl-image"}; }, 120s);
+    require_all_ok(results);
+    CHECK_MESSAGE(results[0].output.find("step 1 network fallback") != std::string::npos, spbcast_test::describe(results));
+}
+
+TEST_CASE("shared memory: ranks as threads - checksums, a root error after the segment was handed over, then the next batch") {
+    spbcast_test::run_ranks(3, [&](int rank, auto& group) {
+        auto batch = [](int seed) {
+            return std::vector<at::Tensor>{at::arange(seed, seed + (1 << 20), at::kFloat),
+                                           at::full({7}, seed, at::kLong)};
+        };
+        std::vector<at::Tensor> b = rank == 1 ? batch(3) : std::vector<at::Tensor>{};
+        spbcast::broadcast(b, group, {.root = 1, .checksum = true});
+        CHECK(spbcast::digest(b) == spbcast::digest(batch(3)));
+        auto state = spbcast::detail::same_host_registry::instance().find(&spbcast::detail::group_of(group), 1);
+        REQUIRE(state);
+        CHECK(state->shared);
+        // The root fails after the payload went into a segment (its frame breaks a limit): every
+        // follower raises the root's error and lets the segment go, and the group stays in step.
+        std::vector<at::Tensor> bad = rank == 1 ? batch(4) : std::vector<at::Tensor>{};
+        spbcast::limits tight;
+        tight.max_frame_bytes = 64;
+        try {
+            spbcast::broadcast(bad, group, {.root = 1, .limits = tight});
+            FAIL("a frame beyond the limits was sent");
+        } catch (const spbcast::error& e) {
+            CHECK((rank == 1 ? e.code() == spbcast::errc::limit_exceeded : e.code() == spbcast::errc::remote));
+        }
+        std::vector<at::Tensor> next = rank == 1 ? batch(5) : std::vector<at::Tensor>{};
+        spbcast::broadcast(next, group, {.root = 1});
+        CHECK(spbcast::digest(next) == spbcast::digest(batch(5)));
+    });
 }
 
 TEST_CASE("shared memory: a follower rejects a short, unsealed or out-of-order segment as corrupt_frame") {
