@@ -11,6 +11,8 @@
 //       test); a survivor must raise spbcast::error, then holds no descriptor of ours: exit 3.
 //   spbcast_shm_worker fallback <profile>
 //       the root cannot create a segment for one batch: it goes over the network, intact.
+//   spbcast_shm_worker group_memory <profile> <micro_batches> <auto|network|shm>
+//       prints the group's memory while a batch is alive (sum of Pss_Anon + change in Shmem).
 //   spbcast_shm_worker soak <rounds>
 //       many small and mid-sized batches; descriptor count and memory must stay flat.
 #include "profiles.hpp"
@@ -283,6 +285,63 @@ int fallback(char** argv) {
     return 0;
 }
 
+// Group memory while a batch is alive, as the issue measures it: the sum over ranks of the
+// change in Pss_Anon (smaps_rollup), plus the change in the host's Shmem, from before the root
+// builds its batch to when every rank holds it. Rank 0 prints it over the payload.
+long pss_anon_kib() { return kib_of("/proc/self/smaps_rollup", "Pss_Anon:"); }
+
+template <class G>
+std::int64_t sum_over_ranks(G& group, std::int64_t mine) {
+    std::int64_t total = 0;
+    for (int r = 0; r < group->getSize(); ++r) {
+        at::Tensor t = at::full({1}, mine, at::kLong);
+        spbcast::broadcast(t, group, {.root = r, .timeout = std::chrono::seconds(30), .transport = spbcast::transport_mode::network});
+        total += t.item<std::int64_t>();
+    }
+    return total;
+}
+
+int group_memory(char** argv) {
+    const auto profile = xtuner::profile_from_name(argv[2]);
+    const int micro_batches = std::stoi(argv[3]);
+    const auto transport = mode_of(argv[4]);
+    const auto env = spbcast::dist::launch_env::from_environment();
+    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
+    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    const spbcast::options opts{.timeout = std::chrono::seconds(60), .transport = transport};
+    {   // the handshake, and the loader-side warm-up, outside the measurement
+        std::vector<at::Tensor> nothing;
+        spbcast::broadcast(nothing, group, opts);
+    }
+    barrier(group);
+    const long shmem_before = kib_of("/proc/meminfo", "Shmem:");
+    const long pss_before = pss_anon_kib();
+    barrier(group);
+    xtuner::Batch batch;
+    std::uint64_t payload = 0;
+    if (env.rank == 0) {
+        batch = xtuner::make_batch(profile, micro_batches, 1);
+        for (auto& t : tensors_of(batch)) payload += t.storage().nbytes();
+    }
+    spbcast::broadcast(batch, group, opts);
+    const auto digest = spbcast::digest(batch);  // every rank reads its whole batch
+    (void)digest;
+    barrier(group);
+    const long pss_after = pss_anon_kib();
+    const long shmem_after = kib_of("/proc/meminfo", "Shmem:");
+    const std::int64_t pss_sum = sum_over_ranks(group, pss_after - pss_before);
+    const std::int64_t payload_all = sum_over_ranks(group, static_cast<std::int64_t>(payload));
+    if (env.rank == 0) {
+        const double group_kib = static_cast<double>(pss_sum + (shmem_after - shmem_before));
+        std::cout << "group memory " << argv[4] << " world " << env.world_size << ": sum Pss_Anon +"
+                  << pss_sum / 1024 << " MiB, Shmem +" << (shmem_after - shmem_before) / 1024
+                  << " MiB, payload " << payload_all / 1048576 << " MiB: "
+                  << group_kib * 1024 / static_cast<double>(payload_all) << "x the payload\n";
+    }
+    barrier(group);
+    return 0;
+}
+
 int soak(char** argv) {
     const int rounds = std::stoi(argv[2]);
     const auto env = spbcast::dist::launch_env::from_environment();
@@ -345,6 +404,7 @@ int main(int argc, char** argv) {
         if (mode == "kill_loop") return kill_loop(argv);
         if (mode == "soak") return soak(argv);
         if (mode == "fallback") return fallback(argv);
+        if (mode == "group_memory") return group_memory(argv);
         std::cerr << "unknown mode or arguments\n";
         return 2;
     } catch (const std::exception& e) {
