@@ -28,6 +28,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -406,8 +407,6 @@ std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options
     const int rank = group.getRank(), size = group.getSize(), root = opts.root;
     auto state = std::make_shared<same_host_state>();
     const host_identity me = host_identity::of_this_process();
-    const std::string prefix = "spbcast: rank " + std::to_string(rank) + ": same-host handshake with root " +
-                               std::to_string(root);
 
     // 1. The root's offer.
     at::Tensor offer_bytes = at::zeros({static_cast<std::int64_t>(sizeof(handshake_offer))}, at::kByte);
@@ -502,7 +501,9 @@ std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options
             if (!conn || ::getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
                 cred.uid != ::getuid() ||
                 receive_message(conn.get(), hello, stray, std::chrono::milliseconds(10000)) != receive_status::ok ||
-                hello.kind != shm_message_kind::hello || hello.sequence >= static_cast<std::uint64_t>(size)) {
+                hello.kind != shm_message_kind::hello || hello.sequence >= static_cast<std::uint64_t>(size) ||
+                static_cast<int>(hello.sequence) == root ||
+                std::any_of(links.begin(), links.end(), [&](const root_link& l) { return l.rank == static_cast<int>(hello.sequence); })) {
                 why = "a connection to the root's socket was not a follower of this group";
                 break;
             }
@@ -532,7 +533,6 @@ std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options
         if (reasons.empty()) reasons.push_back("root (rank " + std::to_string(root) + "): could not accept every follower");
         for (const auto& r : reasons) state->why_not += (state->why_not.empty() ? "" : "; ") + r;
     }
-    (void)prefix;
     return state;
 }
 
