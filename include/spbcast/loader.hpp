@@ -42,6 +42,8 @@ struct loader_config {
     std::optional<std::int64_t> total_epoch;  // set exactly one of these two
     std::optional<std::int64_t> total_step;
     std::chrono::milliseconds timeout = std::chrono::minutes(5);  // bounds each step's broadcast
+    // How batches travel: the same-host path where the SP group shares a host (README).
+    transport_mode transport = transport_mode::automatic;
 };
 
 template <class L>
@@ -232,7 +234,7 @@ public:
 private:
     using pass_type = decltype(std::declval<Loader&>().begin());
 
-    options broadcast_options() const { return {.root = 0, .timeout = cfg_.timeout}; }
+    options broadcast_options() const { return {.root = 0, .timeout = cfg_.timeout, .transport = cfg_.transport}; }
 
     std::string where() const {
         return "spbcast: SP rank " + std::to_string(sp_rank_) + " (leader_loader)";
