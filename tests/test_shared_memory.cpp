@@ -90,11 +90,11 @@ TEST_CASE("shared memory: a follower's batch stays valid and writable after the 
 TEST_CASE("shared memory: SIGKILL of any rank at random points; survivors raise and leak nothing") {
     const long baseline = shmem_kib();
     std::mt19937 rng(20261201);
-    const int rounds = 6;
+    const int rounds = 8;
     for (int round = 0; round < rounds; ++round) {
         const int world = 3;
         const int victim = static_cast<int>(rng() % world);
-        const auto delay = std::chrono::milliseconds(rng() % 1500);
+        const auto delay = std::chrono::milliseconds(rng() % 600);  // from the handshake on
         CAPTURE(round);
         CAPTURE(victim);
         CAPTURE(delay.count());

@@ -432,7 +432,7 @@ std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options
     options o = opts;
     {
         collective<Group> c(group, o, sequence);
-        c.run(offer_bytes, "same-host handshake");
+        c.run(offer_bytes, "same-host handshake: the root's offer");
     }
     handshake_offer offer;
     std::memcpy(&offer, offer_bytes.data_ptr(), sizeof offer);
@@ -475,7 +475,7 @@ std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options
         }
         o.root = r;
         collective<Group> c(group, o, sequence);
-        c.run(flag, "same-host handshake");
+        c.run(flag, "same-host handshake: rank " + std::to_string(r) + "'s answer");
         const auto* p = flag.data_ptr<std::uint8_t>();
         if (p[0] != 1 && offer.root_ok)
             reasons.push_back("rank " + std::to_string(r) + ": " +
@@ -523,7 +523,7 @@ std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options
     o.root = root;
     {
         collective<Group> c(group, o, sequence);
-        c.run(confirm, "same-host handshake");
+        c.run(confirm, "same-host handshake: the root's decision");
     }
     state->shared = confirm.data_ptr<std::uint8_t>()[0] == 1;
     if (state->shared) {
