@@ -328,6 +328,7 @@ template <class Group>
 struct counting_group {
     Group* inner;
     std::uint64_t* count;
+    ~counting_group() { spbcast::forget_group(*this); }  // spbcast knows it by its address
     int getRank() const { return inner->getRank(); }
     int getSize() const { return inner->getSize(); }
     auto broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {

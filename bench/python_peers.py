@@ -12,6 +12,8 @@ leader's batch to the other ranks of a sequence-parallel group over c10d Gloo:
               None, so the pattern is reimplemented here with the same collectives.
   tensordict  TensorDict.broadcast (tensordict >= 0.15): consolidate into one storage, send its
               metadata with broadcast_object_list and the storage with one broadcast.
+  spbcast-py  spbcast.broadcast from Python (the package in python/, installed by
+              scripts/setup.sh): the C++ core behind a torch extension, over the same group.
 
 Batches are the profiles of shared/batches.md, ported from examples/common/profiles.hpp.
 
@@ -51,7 +53,7 @@ import sys
 import tempfile
 import time
 
-ALL_METHODS = ("pickle", "accelerate", "tensordict")
+ALL_METHODS = ("pickle", "accelerate", "tensordict", "spbcast-py")
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,8 +337,26 @@ def tensordict_wire_bytes(batch) -> int:
     return pickled_size([metadata]) + storage.numel()
 
 
+def spbcast_step(batch, rank):
+    import spbcast
+
+    return spbcast.broadcast(batch if rank == 0 else None, src=0)
+
+
+def spbcast_collectives(batch):
+    # Issued by the C++ core inside the extension, where Python does not see them; the C++
+    # rows of the grid (method "spbcast") count them for the same batch.
+    return None
+
+
+def spbcast_wire_bytes(batch) -> int:
+    # The tensor bytes (each storage once, aliases sent once); the metadata frame adds a few KiB.
+    return payload_bytes(batch)
+
+
 METHODS = {
     "pickle": (pickle_step, pickle_collectives, pickle_wire_bytes),
+    "spbcast-py": (spbcast_step, spbcast_collectives, spbcast_wire_bytes),
     "accelerate": (accelerate_step, accelerate_collectives, accelerate_wire_bytes),
     "tensordict": (tensordict_step, tensordict_collectives, tensordict_wire_bytes),
 }
@@ -352,6 +372,11 @@ def method_unavailable(method: str) -> str | None:
             return f"tensordict not importable: {exc!r}"
         if not hasattr(TensorDict, "broadcast"):
             return f"tensordict {tensordict.__version__} has no TensorDict.broadcast"
+    if method == "spbcast-py":
+        try:
+            import spbcast  # noqa: F401
+        except Exception as exc:  # noqa: BLE001
+            return f"the spbcast Python package is not importable (scripts/setup.sh installs it): {exc!r}"
     return None
 
 
@@ -611,8 +636,8 @@ def estimated_payload(profile, micro_batches) -> int:
 # holds the received bytes, a bytes copy and the unpickled storages on a follower (about 4P)
 # and the pickled buffer plus its copy on the leader (2P over the batch); the other two hold
 # the batch once, plus one reference micro-batch on a follower while it is checked.
-_LEADER_P = {"pickle": 3.2, "accelerate": 1.2, "tensordict": 2.2}
-_FOLLOWER_P = {"pickle": 4.2, "accelerate": 2.2, "tensordict": 2.2}
+_LEADER_P = {"pickle": 3.2, "accelerate": 1.2, "tensordict": 2.2, "spbcast-py": 1.2}
+_FOLLOWER_P = {"pickle": 4.2, "accelerate": 2.2, "tensordict": 2.2, "spbcast-py": 2.2}
 _RANK_BASE_BYTES = 400 << 20  # an idle rank: Python, torch, Gloo
 
 

@@ -4,8 +4,8 @@
 //   byte 0        the batch type the follower expects: even = xtuner::Batch, odd = c10::IValue
 //   64 bytes      the frame header (spbcast::detail::frame_header, docs/wire-format.md)
 //   body_bytes    the frame body (fewer if the input ends first)
-//   the rest      the payload stream: transfer slots are filled from it in order, and with
-//                 zeros once it runs out
+//   the rest      the payload stream: transfer slots, then the status trailer, are filled
+//                 from it in order, and with zeros once it runs out
 // The header and body checksums are not checked here (a wrong one is refused before
 // decoding, see tests/faults/test_hostile_frames.cpp), so every mutation reaches the decoder.
 #pragma once

@@ -45,6 +45,16 @@ void touch_tensors(const T& value) {
     (void)sink;
 }
 
+// The status trailer that ends the broadcast: the next announced bytes of the payload stream,
+// zero-filled where the input ends.
+std::vector<std::uint8_t> trailer_from(const spbcast::detail::frame_header& header,
+                                       const std::uint8_t* payload, std::size_t payload_size) {
+    std::vector<std::uint8_t> trailer(spbcast::detail::announced_trailer_bytes(header), 0);
+    const std::size_t have = std::min(trailer.size(), payload_size);
+    if (have) std::memcpy(trailer.data(), payload, have);
+    return trailer;
+}
+
 template <class T>
 void decode(const spbcast::detail::frame_header& header, const std::vector<std::uint8_t>& body,
             const std::uint8_t* payload, std::size_t payload_size) {
@@ -55,9 +65,12 @@ void decode(const spbcast::detail::frame_header& header, const std::vector<std::
         parsed_frame frame = parse_frame<T>(header, body, lim, "fuzz", 0);
         const auto& slots = frame.plan.slots();
         if (frame.mismatch) {
-            // drain_payload: one scratch buffer as large as the largest slot, if within limits
-            if (const auto largest = drain_scratch_bytes(slots, lim))
-                (void)at::empty({static_cast<std::int64_t>(*largest)}, at::kByte);
+            // drain_payload: one scratch buffer as large as the largest slot, if within
+            // limits.max_payload_bytes, then the trailer, whose root status is read before this
+            // rank's refusal
+            const auto largest = drain_scratch_bytes(slots);
+            if (largest <= lim.max_payload_bytes) (void)at::empty({static_cast<std::int64_t>(largest)}, at::kByte);
+            read_trailer(header, trailer_from(header, payload, payload_size), "fuzz", 0);
             return;
         }
         frame.plan.allocate();
@@ -66,12 +79,17 @@ void decode(const spbcast::detail::frame_header& header, const std::vector<std::
             at::Tensor buffer = frame.plan.slot_receive_tensor(i);
             auto* out = static_cast<std::uint8_t*>(buffer.data_ptr());
             const auto n = static_cast<std::size_t>(buffer.numel());
-            const std::size_t have = std::min(n, payload_size - used);
-            if (have) std::memcpy(out, payload + used, have);
-            if (n > have) std::memset(out + have, 0, n - have);
-            used += have;
+            if (slots[i].in_frame) {  // validated to lie inside the body
+                if (n) std::memcpy(out, body.data() + slots[i].frame_offset, n);
+            } else {
+                const std::size_t have = std::min(n, payload_size - used);
+                if (have) std::memcpy(out, payload + used, have);
+                if (n > have) std::memset(out + have, 0, n - have);
+                used += have;
+            }
             frame.plan.unpack_slot(i);
         }
+        read_trailer(header, trailer_from(header, payload + used, payload_size - used), "fuzz", 0);
         T value = decode_value<T>(frame, body, lim, "fuzz");
         touch_tensors(value);
     } catch (const spbcast::error&) {

@@ -40,4 +40,6 @@ if ! "$VENV/bin/python" -c "import numpy, matplotlib, tensordict" 2>/dev/null; t
     "$VENV/bin/pip" install -q numpy matplotlib "tensordict==0.15.3"
 fi
 echo "setup: PyTorch wheel $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') in $VENV"
+# The Python package (python/) and pytest for its tests, into the same environment.
+SPBCAST_VENV="$VENV" "$(dirname "$0")/python_package.sh"
 echo "setup: done"

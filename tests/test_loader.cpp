@@ -9,7 +9,10 @@
 
 #include <doctest/doctest.h>
 
+#include <chrono>
+#include <functional>
 #include <map>
+#include <thread>
 
 using namespace spbcast_test;
 
@@ -152,6 +155,7 @@ TEST_CASE("DP2xSP2 and SP4: every SP rank gets BASE's batches and epochs, and on
 namespace {
 
 struct failing_loader {
+    static constexpr spbcast::rng_draws rng_draws = spbcast::rng_draws::none;
     int fail_at;
     int produced = 0;
     struct pass_t {
@@ -207,4 +211,111 @@ TEST_CASE("total_step ends the run on every rank, and the loader length comes fr
         CHECK(steps == 5);
         CHECK_FALSE(loader.next());
     });
+}
+
+namespace {
+
+// A loader whose pass throws `thrower()` at its `fail_at`-th batch and sleeps `slow_ms` before
+// its `slow_at`-th.
+template <class Thrower>
+struct scripted_loader {
+    static constexpr spbcast::rng_draws rng_draws = spbcast::rng_draws::none;
+    int fail_at, slow_at;
+    std::chrono::milliseconds slow;
+    Thrower thrower;
+    int produced = 0;
+    struct pass_t {
+        scripted_loader* self;
+        std::optional<std::vector<int64_t>> next() {
+            ++self->produced;
+            if (self->produced == self->slow_at) std::this_thread::sleep_for(self->slow);
+            if (self->produced == self->fail_at) self->thrower();
+            return std::vector<int64_t>{self->produced};
+        }
+    };
+    pass_t begin() { return {this}; }
+};
+
+template <class Thrower>
+std::vector<std::exception_ptr> run_scripted(Thrower thrower) {
+    return run_ranks_collect(3, [&](int, auto& group) {
+        auto sp = c10::intrusive_ptr<c10d::ProcessGroupGloo>::reclaim_copy(&group);
+        auto loader = spbcast::make_leader_loader(
+            spbcast::loader_config{.sp_media_dedup = true, .total_step = 10}, sp, 1, [&] {
+                return std::make_unique<scripted_loader<Thrower>>(scripted_loader<Thrower>{2, 0, {}, thrower});
+            });
+        REQUIRE(loader.next());
+        loader.next();
+        FAIL("the second step returned although the leader's loader threw");
+    });
+}
+
+}  // namespace
+
+TEST_CASE("every exception of the leader's loader reaches every SP rank as errc::loader, never as the end of data") {
+    struct Case {
+        const char* name;
+        std::function<void()> thrower;
+        const char* expect;
+    };
+    const std::vector<Case> cases{
+        {"empty message", [] { throw std::runtime_error(""); }, "an exception with an empty message"},
+        {"not a std::exception", [] { throw 42; }, "an exception that is not a std::exception"},
+        {"c10 error", [] { TORCH_CHECK(false, "bad sample 17"); }, "bad sample 17"},
+    };
+    for (const auto& c : cases) {
+        CAPTURE(c.name);
+        const auto errors = run_scripted(c.thrower);
+        for (int rank = 0; rank < 3; ++rank) {
+            CAPTURE(rank);
+            REQUIRE(errors[rank]);
+            const std::string message = message_of(errors[rank]);
+            CHECK_MESSAGE(message.find("the SP leader (SP rank 0) failed fetching step 2") != std::string::npos, message);
+            CHECK_MESSAGE(message.find(c.expect) != std::string::npos, message);
+            CHECK(message.find("Exception raised from") == std::string::npos);  // no c10 backtrace
+            try {
+                std::rethrow_exception(errors[rank]);
+            } catch (const spbcast::error& e) {
+                CHECK(e.code() == spbcast::errc::loader);
+            } catch (...) {
+                FAIL("not a spbcast::error");
+            }
+        }
+    }
+}
+
+TEST_CASE("a leader slower than the transport timeout is waited for, as a BASE rank waits for its own loader") {
+    using namespace std::chrono_literals;
+    std::vector<std::vector<int64_t>> seen(3);
+    run_ranks(3, [&](int rank, auto& group) {
+        auto sp = c10::intrusive_ptr<c10d::ProcessGroupGloo>::reclaim_copy(&group);
+        auto nothing = [] {};
+        using L = scripted_loader<decltype(nothing)>;
+        auto loader = spbcast::make_leader_loader(
+            spbcast::loader_config{.sp_media_dedup = true, .total_step = 3, .timeout = 1s}, sp, 1,
+            [&] { return std::make_unique<L>(L{0, 2, 2500ms, nothing}); });
+        while (auto batch = loader.next()) seen[rank].push_back(batch->at(0));
+    }, 2s);  // the groups' own timeout too (LibTorch 1.13's Gloo applies only that one)
+    for (const auto& s : seen) CHECK(s == std::vector<int64_t>{1, 2, 3});
+}
+
+TEST_CASE("GLOO_SOCKET_IFNAME may name several interfaces, as in PyTorch") {
+    ::setenv("GLOO_SOCKET_IFNAME", "lo,lo", 1);
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    std::vector<std::exception_ptr> errors(2);
+    std::vector<std::thread> threads;
+    for (int rank = 0; rank < 2; ++rank)
+        threads.emplace_back([&, rank] {
+            try {
+                auto group = spbcast::dist::make_gloo_group(store, rank, 2, std::chrono::seconds(10));
+                at::Tensor t = rank == 0 ? at::arange(10) : at::Tensor();
+                spbcast::broadcast(t, group);
+                CHECK(t.equal(at::arange(10)));
+            } catch (...) {
+                errors[rank] = std::current_exception();
+            }
+        });
+    for (auto& t : threads) t.join();
+    ::unsetenv("GLOO_SOCKET_IFNAME");
+    for (const auto& e : errors) CHECK_MESSAGE(!e, message_of(e));
 }

@@ -85,3 +85,52 @@ TEST_CASE("storages received in one bucket are separate storages: writes and res
         CHECK(batch.pixels.narrow(0, 0, 1536).equal(make_media(0).pixels));
     });
 }
+
+TEST_CASE("small broadcasts between big ones do not evict the blocks the next big batch reuses") {
+    spbcast::set_receive_cache_limit(0);  // start from an empty cache
+    spbcast::set_receive_cache_limit(spbcast::default_receive_cache_limit);
+    std::size_t reused = 0, allocated = 0;
+    run_ranks(2, [&](int rank, auto& group) {
+        for (int step = 0; step < 2; ++step) {
+            {
+                Media batch = rank == 0 ? make_media(step) : Media{};
+                spbcast::broadcast(batch, group);
+                if (rank == 1) require_identical(make_media(step), batch);
+            }
+            if (step == 0 && rank == 1) {
+                const auto s = spbcast::receive_cache_statistics();
+                reused = s.blocks_reused;
+                allocated = s.blocks_allocated;
+            }
+            // A loader's envelope, a metrics broadcast: small, between two big batches.
+            for (int small = 0; small < 3; ++small) {
+                std::pair<int64_t, at::Tensor> metrics{small, at::full({16}, small)};
+                spbcast::broadcast(metrics, group);
+            }
+        }
+    });
+    const auto after = spbcast::receive_cache_statistics();
+    CHECK(after.blocks_reused - reused == 1);
+    CHECK(after.blocks_allocated == allocated);
+}
+
+TEST_CASE("a small tensor a follower keeps pins memory in proportion to itself, not its bucket") {
+    spbcast::set_receive_cache_limit(0);
+    spbcast::set_receive_cache_limit(spbcast::default_receive_cache_limit);
+    auto make = [] {
+        std::vector<at::Tensor> batch;  // 40 x 64 KiB: one bucket of 2.5 MiB, from the cache
+        for (int i = 0; i < 40; ++i) batch.push_back(at::full({16384}, i, at::kInt));
+        return batch;
+    };
+    at::Tensor kept;
+    run_ranks(2, [&](int rank, auto& group) {
+        std::vector<at::Tensor> batch = rank == 0 ? make() : std::vector<at::Tensor>{};
+        spbcast::broadcast(batch, group);
+        if (rank == 1) kept = batch[3];
+    });
+    REQUIRE(kept.defined());
+    require_identical(make()[3], kept);
+    CHECK(kept.storage().nbytes() == 16384 * sizeof(int32_t));
+    // The bucket went back to the cache although a tensor that arrived in it is alive.
+    CHECK(spbcast::receive_cache_statistics().cached_bytes >= std::size_t{40} * 65536);
+}

@@ -5,11 +5,15 @@
 #include <boost/hana/define_struct.hpp>
 
 #include <array>
+#include <cstring>
 #include <deque>
 #include <list>
 #include <map>
 #include <set>
 #include <unordered_map>
+#include <unordered_set>
+
+#include <spbcast/digest.hpp>
 
 using spbcast_test::roundtrip;
 
@@ -201,4 +205,146 @@ TEST_CASE("schemas are readable, canonical and stable") {
     CHECK(spbcast::schema_of<std::vector<long>> == spbcast::schema_of<std::deque<int64_t>>);
     CHECK(spbcast::fingerprint_of<user::Sample> != spbcast::fingerprint_of<user::Adapted>);
     static_assert(spbcast::fingerprint_of<Everything> != 0, "computed at compile time");
+}
+
+namespace user {
+
+// The README's Grid: no default constructor, rebuilt only through its constructor.
+class FixedGrid {
+public:
+    FixedGrid(int64_t rows, int64_t cols) : rows_(rows), cols_(cols), cells_(at::arange(rows * cols).view({rows, cols})) {}
+    int64_t rows() const { return rows_; }
+    int64_t cols() const { return cols_; }
+    const at::Tensor& cells() const { return cells_; }
+
+private:
+    int64_t rows_, cols_;
+    at::Tensor cells_;
+};
+
+// A wire type without a default constructor: an aggregate holding a FixedGrid.
+struct Labelled {
+    std::string label;
+    FixedGrid grid;
+};
+
+class Tile {
+public:
+    Tile(std::string label, FixedGrid grid) : wire_{std::move(label), std::move(grid)} {}
+    const Labelled& wire() const { return wire_; }
+
+private:
+    Labelled wire_;
+};
+
+struct GridBatch {
+    FixedGrid main;
+    std::vector<FixedGrid> grids;
+    std::optional<FixedGrid> maybe;
+    std::map<std::string, FixedGrid> named;
+    std::variant<int64_t, FixedGrid> either;
+    Tile tile;
+};
+
+}  // namespace user
+
+template <>
+struct spbcast::codec<user::FixedGrid> {
+    static std::pair<int64_t, int64_t> to_wire(const user::FixedGrid& g) { return {g.rows(), g.cols()}; }
+    static user::FixedGrid from_wire(std::pair<int64_t, int64_t>&& w) { return user::FixedGrid(w.first, w.second); }
+};
+
+template <>
+struct spbcast::codec<user::Tile> {
+    static user::Labelled to_wire(const user::Tile& t) { return t.wire(); }
+    static user::Tile from_wire(user::Labelled&& w) { return user::Tile(std::move(w.label), std::move(w.grid)); }
+};
+
+TEST_CASE("types without a default constructor travel through their codecs, as fields and elements") {
+    static_assert(!std::is_default_constructible_v<user::GridBatch>);
+    auto make = [] {
+        return user::GridBatch{user::FixedGrid(2, 3),
+                               {user::FixedGrid(1, 1), user::FixedGrid(4, 2)},
+                               user::FixedGrid(5, 1),
+                               {{"a", user::FixedGrid(2, 2)}},
+                               user::FixedGrid(3, 3),
+                               user::Tile("t", user::FixedGrid(6, 1))};
+    };
+    spbcast_test::run_ranks(3, [&](int rank, auto& group) {
+        user::GridBatch batch = rank == 1 ? make() : user::GridBatch{user::FixedGrid(0, 0), {}, std::nullopt, {}, int64_t{0},
+                                                                      user::Tile("", user::FixedGrid(0, 0))};
+        spbcast::broadcast(batch, group, {.root = 1});
+        CHECK(spbcast::digest(batch) == spbcast::digest(make()));
+        CHECK(batch.grids.size() == 2);
+        CHECK(batch.grids[1].rows() == 4);
+        REQUIRE(batch.maybe.has_value());
+        CHECK(batch.maybe->cells().equal(at::arange(5).view({5, 1})));
+        CHECK(batch.named.at("a").cols() == 2);
+        CHECK(std::get<user::FixedGrid>(batch.either).rows() == 3);
+        CHECK(batch.tile.wire().label == "t");
+        CHECK(batch.tile.wire().grid.rows() == 6);
+    });
+}
+
+TEST_CASE("unordered containers iterate in the root's order on every rank") {
+    using Map = std::unordered_map<std::string, at::Tensor>;
+    auto make = [] {
+        Map m;
+        for (const char* key : {"input_ids", "labels", "position_ids", "pixel_values", "image_grid_thw",
+                                "cu_seq_lens", "attention_mask"})
+            m.emplace(key, at::full({2}, static_cast<int64_t>(std::strlen(key))));
+        m.erase("labels");  // a history of its own: the order depends on more than the keys
+        m.emplace("labels", at::arange(3));
+        std::unordered_set<int64_t> ids{42, 7, 1000003, 3, 19, 77, 5};
+        return std::pair<Map, std::unordered_set<int64_t>>{std::move(m), std::move(ids)};
+    };
+    auto order = [](const auto& container) {
+        std::vector<std::string> keys;
+        for (const auto& element : container) {
+            if constexpr (requires { element.first; }) keys.push_back(element.first);
+            else keys.push_back(std::to_string(element));
+        }
+        return keys;
+    };
+    const auto expected = make();
+    spbcast_test::run_ranks(3, [&](int rank, auto& group) {
+        auto batch = rank == 0 ? make() : std::pair<Map, std::unordered_set<int64_t>>{};
+        spbcast::broadcast(batch, group);
+        CHECK(order(batch.first) == order(expected.first));
+        CHECK(order(batch.second) == order(expected.second));
+        CHECK(spbcast::digest(batch) == spbcast::digest(expected));
+    });
+}
+
+TEST_CASE("IValue lists, dicts, tuples and optionals keep their static types") {
+    auto make = [] {
+        c10::Dict<std::string, c10::List<int64_t>> lengths;
+        lengths.insert("image", c10::List<int64_t>({4, 8}));
+        lengths.insert("video", c10::List<int64_t>());
+        c10::List<c10::optional<at::Tensor>> maybe_tensors;
+        maybe_tensors.push_back(at::ones({2}));
+        maybe_tensors.push_back(c10::nullopt);
+        c10::impl::GenericList nested(c10::ListType::create(c10::TupleType::create({c10::IntType::get(), c10::StringType::get()})));
+        nested.push_back(c10::IValue(c10::List<c10::IValue>(c10::TupleType::create({c10::IntType::get(), c10::StringType::get()}))));
+        return c10::IValue(c10::ivalue::Tuple::create({c10::IValue(lengths), c10::IValue(maybe_tensors), c10::IValue(nested)}));
+    };
+    const c10::IValue expected = make();
+    spbcast_test::run_ranks(2, [&](int rank, auto& group) {
+        c10::IValue value = rank == 0 ? make() : c10::IValue();
+        spbcast::broadcast(value, group);
+        const auto& elements = value.toTupleRef().elements();
+        const auto& want = expected.toTupleRef().elements();
+        REQUIRE(elements.size() == 3);
+        for (std::size_t i = 0; i < 3; ++i) {
+            CAPTURE(i);
+            CHECK(elements[i].type()->annotation_str() == want[i].type()->annotation_str());
+            const bool same_type = *elements[i].type() == *want[i].type();
+            CHECK(same_type);
+        }
+        const auto lengths = elements[0].to<c10::Dict<std::string, c10::List<int64_t>>>();
+        CHECK(lengths.at("image").vec() == std::vector<int64_t>{4, 8});
+        const auto maybe = elements[1].to<c10::List<c10::optional<at::Tensor>>>();
+        CHECK_FALSE(maybe.get(1).has_value());
+        CHECK(spbcast::digest(value) == spbcast::digest(expected));
+    });
 }

@@ -32,6 +32,7 @@
 #pragma once
 
 #include "../common/xtuner_batch.hpp"
+#include <spbcast/rng_mirror.hpp>
 #include "config.hpp"
 #include "dataset.hpp"
 #include "packing.hpp"
@@ -196,6 +197,7 @@ public:
     const Dataset& dataset() const { return dataset_; }
 
     // Will the next begin() draw a base seed from the default CPU generator?
+    static constexpr spbcast::rng_draws rng_draws = spbcast::rng_draws::base_seed;
     bool will_consume_base_seed() const { return !config_.persistent_workers || !iterator_; }
 
     Pass begin() {

@@ -11,6 +11,7 @@
 
 #include "codec.hpp"
 #include "detail/collective.hpp"
+#include "detail/group_state.hpp"
 #include "detail/receive.hpp"
 #include "detail/send.hpp"
 #include "detail/shm_channel.hpp"
@@ -37,13 +38,15 @@ inline void check_options(const options& opts, int rank, int size) {
         bad("options.root = " + std::to_string(opts.root) + " is not a rank of this group of size " +
             std::to_string(size) + "; use a group rank in [0, " + std::to_string(size) + ")");
     if (opts.timeout.count() <= 0) bad("options.timeout must be positive");
+    if (opts.root_wait.count() < 0) bad("options.root_wait must not be negative");
     if (opts.bucket_bytes == 0) bad("options.bucket_bytes must be positive");
 }
 
 // The same-host state of (group, root): decided by the handshake on the first broadcast that
 // may use it, by every rank together. Null when the network path is used.
 template <class Group>
-std::shared_ptr<same_host_state> same_host_for(Group& g, const options& opts, std::uint64_t sequence) {
+std::shared_ptr<same_host_state> same_host_for(Group& g, const options& opts, group_state& gstate,
+                                               std::uint64_t sequence) {
     if (opts.transport == transport_mode::network) return nullptr;
     // A user's own transport cannot be told from a later one at the same address (see
     // same_host_registry): it takes the same-host path only when asked for explicitly.
@@ -51,7 +54,7 @@ std::shared_ptr<same_host_state> same_host_for(Group& g, const options& opts, st
     auto& registry = same_host_registry::instance();
     auto state = registry.find(&g, opts.root);
     if (!state) {
-        state = same_host_handshake(g, opts, sequence);
+        state = same_host_handshake(g, opts, gstate, sequence);
         registry.put(&g, opts.root, state, same_host_registry::owner_of(g));
     }
     if (state->shared) return state;
@@ -80,10 +83,18 @@ void broadcast(T& value, Group&& group, const options& opts = {}) {
     const int size = g.getSize();
     detail::check_options(opts, rank, size);
     if (size == 1) return;
-    const std::uint64_t sequence = detail::next_sequence(&g);
+    const auto state = detail::group_registry::instance().state_of(g);
+    if (state->broken)
+        throw transport_error(*state->broken,
+                              "spbcast: rank " + std::to_string(rank) +
+                                  ": this group is out of step since an earlier broadcast failed "
+                                  "on this rank, so no collective is issued on it: " +
+                                  state->broken_cause,
+                              "before the frame");
+    const std::uint64_t sequence = ++state->broadcasts;
     try {
-        const auto same_host = detail::same_host_for(g, opts, sequence);
-        detail::collective<std::remove_reference_t<decltype(g)>> c(g, opts, sequence);
+        const auto same_host = detail::same_host_for(g, opts, *state, sequence);
+        detail::collective<std::remove_reference_t<decltype(g)>> c(g, opts, *state, sequence);
         if (rank == opts.root)
             detail::send(c, value, same_host.get());
         else

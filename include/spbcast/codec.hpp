@@ -25,4 +25,11 @@ concept has_codec = requires(const T& value) { codec<T>::to_wire(value); };
 template <has_codec T>
 using wire_type_t = std::remove_cvref_t<decltype(codec<T>::to_wire(std::declval<const T&>()))>;
 
+// Neither the wire type nor T needs a default constructor: followers build both from their
+// parts (the wire type's fields in order) and hand the wire value to from_wire.
+template <class T>
+concept has_from_wire = has_codec<T> && requires(wire_type_t<T>&& wire) {
+    { codec<T>::from_wire(std::move(wire)) } -> std::convertible_to<T>;
+};
+
 }  // namespace spbcast

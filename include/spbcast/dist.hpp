@@ -74,16 +74,29 @@ inline c10::intrusive_ptr<c10d::Store> make_store(const launch_env& env,
     return c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
 }
 
-// The Gloo device: the interface named by GLOO_SOCKET_IFNAME (as in PyTorch), else the
-// address given (loopback by default, for ranks on one machine).
+// The Gloo devices as PyTorch chooses them: one per interface in GLOO_SOCKET_IFNAME (a
+// comma-separated list), else the address `hostname` resolves to when one is given, else the
+// host's own name (ProcessGroupGloo::createDefaultDevice; loopback only where the name does
+// not resolve to a usable address) - so ranks on several hosts reach each other out of the box.
 inline c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo_group(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-    std::chrono::milliseconds timeout, const std::string& hostname = "127.0.0.1") {
+    std::chrono::milliseconds timeout, const std::string& hostname = {}) {
     auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-    if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
-        options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-    else
+    const char* ifnames = std::getenv("GLOO_SOCKET_IFNAME");
+    if (ifnames && *ifnames) {
+        std::string list = ifnames;
+        for (std::size_t start = 0; start <= list.size();) {
+            const std::size_t end = std::min(list.find(',', start), list.size());
+            if (end > start)
+                options->devices.push_back(
+                    c10d::ProcessGroupGloo::createDeviceForInterface(list.substr(start, end - start)));
+            start = end + 1;
+        }
+    } else if (!hostname.empty()) {
         options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+    } else {
+        options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    }
     return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
 }
 
@@ -100,7 +113,7 @@ struct sp_layout {
 
 inline sp_layout make_sp_layout(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                 int world_size, int sp_size, std::chrono::milliseconds timeout,
-                                const std::string& hostname = "127.0.0.1") {
+                                const std::string& hostname = {}) {
     if (sp_size < 1 || world_size % sp_size != 0)
         throw error(errc::invalid_argument,
                     "spbcast: rank " + std::to_string(rank) + ": the SP size " +

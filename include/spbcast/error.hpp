@@ -20,6 +20,7 @@ enum class errc {
     timeout,             // a wait ran past options.timeout
     invalid_argument,    // bad options or configuration
     loader,              // the data loader threw
+    out_of_step,         // this rank and the root disagree on the broadcast count or options
 };
 
 inline const char* to_string(errc code) {
@@ -35,6 +36,7 @@ inline const char* to_string(errc code) {
         case errc::timeout: return "timeout";
         case errc::invalid_argument: return "invalid argument";
         case errc::loader: return "loader error";
+        case errc::out_of_step: return "out of step";
     }
     return "error";
 }
@@ -78,8 +80,8 @@ private:
     std::string root_schema_;
 };
 
-// Raised when the process group fails or a wait times out. The group should be considered
-// broken afterwards: a peer is dead or out of step.
+// Raised when the process group fails or a wait times out, and by every later call on a group
+// this rank could not keep in step (the same code, the original cause in the message).
 class transport_error : public error {
 public:
     transport_error(errc code, const std::string& message, std::string phase)

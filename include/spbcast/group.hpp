@@ -7,6 +7,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include "detail/group_state.hpp"
+
 #include <concepts>
 #include <memory>
 #include <type_traits>
@@ -41,5 +43,14 @@ decltype(auto) group_of(G& group) {
 }
 
 }  // namespace detail
+
+// spbcast keeps a little state per group (group_state.hpp): the broadcast count every frame is
+// checked against, and whether this rank left the group out of step. c10d groups are tracked
+// for their lifetime. A transport of your own that is not a c10::intrusive_ptr_target is known
+// by its address: call this when destroying it, so a new object at that address starts fresh.
+template <class Group>
+void forget_group(Group&& group) {
+    detail::group_registry::instance().forget(static_cast<const void*>(&detail::group_of(group)));
+}
 
 }  // namespace spbcast

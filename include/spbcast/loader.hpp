@@ -7,20 +7,18 @@
 // A loader is any type with
 //     auto pass = loader.begin();            // creates the underlying iterator (one pass)
 //     std::optional<Batch> b = pass.next();  // the next batch, nullopt at the end of the pass
+//     static constexpr spbcast::rng_draws rng_draws = ...;   // required: see rng_mirror.hpp
 // and optionally
 //     int64_t size() const;                  // batches per epoch (enables total-epoch length sync)
 //     void set_epoch(int64_t);               // called when a pass ends, with the next epoch
 //     std::string save_state() const; void load_state(std::string_view);
-//     bool will_consume_base_seed() const;   // PyTorch semantics: does the next begin() draw a
-//                                            // base seed from the default CPU generator?
-//     std::vector<rng_event> iterator_rng_events() const;      // general form of the above
-//     std::vector<rng_event> construction_rng_events() const;  // draws made while being built
 //
 // Initialisation that needs collectives on every rank (dataset indexing, packing statistics)
 // must happen before the leader_loader is built: the factory runs on the SP leader only.
 #pragma once
 
 #include "broadcast.hpp"
+#include "detail/keep_alive.hpp"
 #include "error.hpp"
 #include "rng_mirror.hpp"
 
@@ -41,7 +39,10 @@ struct loader_config {
     bool sp_media_dedup = false;           // off: every rank runs its own loader (BASE)
     std::optional<std::int64_t> total_epoch;  // set exactly one of these two
     std::optional<std::int64_t> total_step;
-    std::chrono::milliseconds timeout = std::chrono::minutes(5);  // bounds each step's broadcast
+    // Bounds the transport of each step's broadcast. A leader that takes longer to fetch a
+    // batch is not a failure: it tells the followers it is still working (keep_alive.hpp), and
+    // they wait for it as a BASE rank waits for its own loader.
+    std::chrono::milliseconds timeout = std::chrono::minutes(5);
     // How batches travel: the same-host path where the SP group shares a host (README).
     transport_mode transport = transport_mode::automatic;
 };
@@ -54,9 +55,14 @@ concept data_loader = requires(L& loader) {
 template <data_loader L>
 using loader_batch_t = typename decltype(std::declval<L&>().begin().next())::value_type;
 
-// What the leader sends once, when the loader has been built.
+// What the leader's loader did, on the wire: never inferred from an empty message or an
+// absent batch, so no failure can pass for the end of the data.
+enum class leader_status : std::uint8_t { batch = 1, end = 2, failed = 3 };
+
+// What the leader sends once, when the loader has been built (status batch or failed).
 struct loader_init {
-    std::string error;               // the factory failed on the leader
+    leader_status status = leader_status::batch;
+    std::string error;               // the factory's exception, when it failed
     std::vector<rng_event> rng_events;
     std::int64_t length = -1;        // batches per epoch; -1 when the loader has no size()
 };
@@ -64,14 +70,66 @@ struct loader_init {
 // What the leader sends every step.
 template <class Batch>
 struct step_envelope {
-    std::string error;               // the leader's loader threw
+    leader_status status = leader_status::end;
+    std::string error;               // the loader's exception, when it failed
     std::int64_t epoch = 0;
     std::int64_t step = 0;           // steps consumed, this one included
     std::vector<rng_event> rng_events;  // draws BASE would have made before this batch
-    std::optional<Batch> batch;      // nullopt: training is over
+    std::optional<Batch> batch;      // present exactly when status is batch
 };
 
 namespace detail {
+
+// An exception of the leader's, as text every rank can read: c10 errors without their
+// backtrace, an empty message and exceptions not derived from std::exception named as such.
+inline std::string leader_exception_text(std::exception_ptr failure) {
+    try {
+        std::rethrow_exception(failure);
+    } catch (const std::exception& e) {
+        std::string text = exception_text(e);
+        if (text.empty()) text = "an exception with an empty message";
+        return text;
+    } catch (...) {
+        return "an exception that is not a std::exception";
+    }
+}
+
+// The loader's declaration, or none where it made none (check_rng_declaration then fails with
+// one message, not a cascade).
+template <class L>
+constexpr rng_draws declared_rng_draws() {
+    if constexpr (requires { { L::rng_draws } -> std::convertible_to<rng_draws>; })
+        return L::rng_draws;
+    else
+        return rng_draws::none;
+}
+
+// rng_draws is declared and backed by its members: a misspelt member is a compile error, not a
+// follower whose generator silently drifts from BASE.
+template <class L>
+constexpr void check_rng_declaration() {
+    static_assert(requires { { L::rng_draws } -> std::convertible_to<rng_draws>; },
+                  "spbcast: a loader must declare how it draws from the default CPU generator: add "
+                  "'static constexpr spbcast::rng_draws rng_draws = spbcast::rng_draws::none;' "
+                  "(or base_seed / events; see spbcast/rng_mirror.hpp)");
+    if constexpr (requires { { L::rng_draws } -> std::convertible_to<rng_draws>; }) {
+        constexpr bool base_seed_hook = requires(const L& l) { { l.will_consume_base_seed() } -> std::same_as<bool>; };
+        constexpr bool event_hooks = requires(const L& l) {
+            { l.iterator_rng_events() } -> std::convertible_to<std::vector<rng_event>>;
+            { l.construction_rng_events() } -> std::convertible_to<std::vector<rng_event>>;
+        };
+        static_assert(L::rng_draws != rng_draws::base_seed || base_seed_hook,
+                      "spbcast: the loader declares rng_draws = base_seed but has no "
+                      "'bool will_consume_base_seed() const'; add it (check its spelling)");
+        static_assert(L::rng_draws != rng_draws::events || event_hooks,
+                      "spbcast: the loader declares rng_draws = events but lacks "
+                      "'std::vector<spbcast::rng_event> iterator_rng_events() const' or "
+                      "'construction_rng_events() const'; add both (check their spelling)");
+        static_assert(L::rng_draws != rng_draws::none || (!base_seed_hook && !event_hooks),
+                      "spbcast: the loader declares rng_draws = none but has RNG hooks; declare "
+                      "base_seed or events so followers mirror its draws");
+    }
+}
 
 // Events from the wire are data: replaying one must not allocate without bound.
 inline void check_rng_event(const rng_event& e, const std::string& where) {
@@ -118,6 +176,7 @@ public:
     template <class Factory>
     leader_loader(loader_config cfg, Group group, int tp_size, Factory&& make_loader)
         : cfg_(std::move(cfg)), group_(std::move(group)) {
+        detail::check_rng_declaration<Loader>();
         auto& g = detail::group_of(group_);
         sp_rank_ = g.getRank();
         validate(cfg_, tp_size, sp_rank_);
@@ -130,16 +189,20 @@ public:
         loader_init init;
         if (is_leader()) {
             try {
+                detail::keep_alive<Group> still_working(group_, broadcast_options());
                 loader_ = make_loader();
-                if constexpr (requires { loader_->construction_rng_events(); })
+                if constexpr (detail::declared_rng_draws<Loader>() == rng_draws::events)
                     init.rng_events = loader_->construction_rng_events();
                 init.length = local_length();
-            } catch (const std::exception& e) {
-                init.error = e.what();
+            } catch (...) {
+                init.status = leader_status::failed;
+                init.error = detail::leader_exception_text(std::current_exception());
             }
         }
         broadcast(init, group_, broadcast_options());
-        if (!init.error.empty()) throw leader_failed("building the data loader", init.error);
+        if (init.status == leader_status::failed) throw leader_failed("building the data loader", init.error);
+        if (init.status != leader_status::batch)
+            throw error(errc::corrupt_frame, where() + ": an unknown loader status arrived from the SP leader");
         if (!is_leader())
             for (const rng_event& event : init.rng_events) {
                 detail::check_rng_event(event, where());
@@ -158,16 +221,23 @@ public:
         step_envelope<batch_type> envelope;
         if (is_leader()) {
             try {
+                detail::keep_alive<Group> still_working(group_, broadcast_options());
                 envelope.batch = fetch(envelope.rng_events);
-            } catch (const std::exception& e) {
-                envelope.error = e.what();
+                envelope.status = envelope.batch ? leader_status::batch : leader_status::end;
+            } catch (...) {
+                envelope.batch.reset();
+                envelope.status = leader_status::failed;
+                envelope.error = detail::leader_exception_text(std::current_exception());
             }
             envelope.epoch = epoch_;
             envelope.step = step_;
         }
         broadcast(envelope, group_, broadcast_options());
-        if (!envelope.error.empty())
+        if (envelope.status == leader_status::failed)
             throw leader_failed("fetching step " + std::to_string(envelope.step + 1), envelope.error);
+        if ((envelope.status == leader_status::batch) != envelope.batch.has_value() ||
+            (envelope.status != leader_status::batch && envelope.status != leader_status::end))
+            throw error(errc::corrupt_frame, where() + ": an inconsistent loader status arrived from the SP leader");
         if (!is_leader()) {
             for (const rng_event& event : envelope.rng_events) {
                 detail::check_rng_event(event, where());
@@ -257,9 +327,9 @@ private:
         if (finished_ || (cfg_.total_step && step_ >= *cfg_.total_step)) return finish();
         for (int empty_passes = 0;;) {
             if (!pass_) {
-                if constexpr (requires { loader_->iterator_rng_events(); }) {
+                if constexpr (detail::declared_rng_draws<Loader>() == rng_draws::events) {
                     for (const rng_event& e : loader_->iterator_rng_events()) events.push_back(e);
-                } else if constexpr (requires { loader_->will_consume_base_seed(); }) {
+                } else if constexpr (detail::declared_rng_draws<Loader>() == rng_draws::base_seed) {
                     if (loader_->will_consume_base_seed()) events.push_back({rng_event::base_seed_draw});
                 }
                 pass_.emplace(loader_->begin());

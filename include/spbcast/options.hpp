@@ -33,6 +33,10 @@ struct options {
     int root = 0;  // group rank of the sender
     // Bounds every wait of the broadcast; a dead or stuck peer becomes spbcast::transport_error.
     std::chrono::milliseconds timeout = std::chrono::minutes(5);
+    // How long a follower waits for the root to start a broadcast (its first message); zero
+    // means options.timeout. A root that is only slow to produce its batch (a big batch, a
+    // checkpoint saved on the leader) is not a transport failure: raise this, not timeout.
+    std::chrono::milliseconds root_wait = std::chrono::milliseconds(0);
     // Storages smaller than this share coalesced buckets; larger ones are sent in place, with
     // no packing copy on the root and received straight into their final storage.
     std::size_t inplace_min_bytes = std::size_t{1} << 20;
@@ -43,6 +47,10 @@ struct options {
     bool checksum = false;
     transport_mode transport = transport_mode::automatic;
     spbcast::limits limits = {};
+
+    std::chrono::milliseconds root_wait_or_timeout() const {
+        return root_wait.count() > 0 ? root_wait : timeout;
+    }
 };
 
 }  // namespace spbcast

@@ -10,6 +10,17 @@
 
 namespace spbcast {
 
+// How a loader draws from the default CPU generator, declared by the loader itself as
+//     static constexpr spbcast::rng_draws rng_draws = spbcast::rng_draws::none;
+// An explicit declaration, checked at compile time, so a misspelt hook cannot silently turn
+// the mirror off (followers' generators would drift from BASE without a word):
+//   none       the loader never draws;
+//   base_seed  PyTorch DataLoader semantics: bool will_consume_base_seed() const tells before
+//              each begin() whether it draws one int64 base seed;
+//   events     std::vector<rng_event> iterator_rng_events() const (draws of each begin()) and
+//              std::vector<rng_event> construction_rng_events() const (draws while built).
+enum class rng_draws { none, base_seed, events };
+
 // One draw from the default CPU generator that a data loader makes as a side effect.
 struct rng_event {
     enum kind_t : std::uint8_t {

@@ -83,6 +83,10 @@ constexpr void append_schema(schema_builder& out) {
     require_supported<T>();
     constexpr kind k = kind_v<T>;
     if constexpr (k == kind::custom) {
+        static_assert(has_from_wire<T>,
+                      "spbcast: this codec<T> has to_wire but no matching from_wire; add "
+                      "'static T from_wire(Wire&& wire)' taking to_wire's result type, so followers "
+                      "can rebuild T (README: 'Teaching spbcast a type').");
         out += type_name<T>();
         out += '=';
         append_schema<wire_type_t<T>>(out);

@@ -54,6 +54,7 @@ public:
                                             : (sampler_size_ + batch - 1) / batch;
     }
 
+    static constexpr spbcast::rng_draws rng_draws = spbcast::rng_draws::events;
     std::vector<rng_event> construction_rng_events() const { return draws(); }
     std::vector<rng_event> iterator_rng_events() const { return draws(); }
 

@@ -37,6 +37,9 @@ public:
 
     hooked_group(Inner& inner, hook before = {}, hook after = {})
         : inner_(inner), before_(std::move(before)), after_(std::move(after)) {}
+    hooked_group(const hooked_group&) = delete;
+    // spbcast knows a transport of ours by its address (spbcast::forget_group).
+    ~hooked_group() { spbcast::forget_group(*this); }
 
     int getRank() const { return inner_.getRank(); }
     int getSize() const { return inner_.getSize(); }
@@ -90,6 +93,9 @@ struct done_work {
 // The root of a two-rank group whose "network" records each message the root sends.
 class capture_group {
 public:
+    capture_group() = default;
+    capture_group(const capture_group&) = delete;
+    ~capture_group() { spbcast::forget_group(*this); }
     int getRank() const { return 0; }
     int getSize() const { return 2; }
     done_work broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions&) {
@@ -109,6 +115,8 @@ class replay_group {
 public:
     explicit replay_group(std::vector<std::vector<std::uint8_t>> messages)
         : messages_(std::move(messages)) {}
+    replay_group(const replay_group&) = delete;
+    ~replay_group() { spbcast::forget_group(*this); }
     int getRank() const { return 1; }
     int getSize() const { return 2; }
     done_work broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions&) {
@@ -218,8 +226,9 @@ replay_result replay(std::vector<std::vector<std::uint8_t>> messages, const spbc
 // put back together and re-signed: the frames a hostile or buggy root could send.
 
 struct slot_row {
-    std::uint8_t in_place = 0;
+    std::uint8_t in_place = 0;  // the slot mode: 0 bucket, 1 in place, 2 in the frame
     std::uint64_t bytes = 0;
+    bool in_frame() const { return in_place == 2; }
 };
 struct tensor_row {
     std::uint8_t dtype_code = 0, flags = 0;
@@ -241,7 +250,7 @@ struct editable_frame {
     std::vector<std::uint8_t> values;
     std::vector<tensor_row> tensors;
     std::vector<storage_row> storages;
-    std::vector<std::vector<std::uint8_t>> payload;  // one message per slot
+    std::vector<std::vector<std::uint8_t>> payload;  // per slot: its bytes (message or in frame)
 
     static editable_frame from(const std::vector<std::vector<std::uint8_t>>& messages) {
         using namespace spbcast::detail;
@@ -282,8 +291,15 @@ struct editable_frame {
             s.wire_bytes = in.get<std::uint64_t>();
             f.storages.push_back(s);
         }
-        const std::size_t first = frame_message_count(messages);
-        for (std::size_t i = 0; i < slot_count; ++i) f.payload.push_back(messages.at(first + i));
+        std::size_t next = frame_message_count(messages);
+        for (const slot_row& slot : f.slots) {
+            if (slot.in_frame()) {
+                const auto* bytes = in.get_bytes(static_cast<std::size_t>(slot.bytes));
+                f.payload.emplace_back(bytes, bytes + slot.bytes);
+            } else {
+                f.payload.push_back(messages.at(next++));
+            }
+        }
         return f;
     }
 
@@ -315,30 +331,43 @@ struct editable_frame {
             out.put(s.slot_offset);
             out.put(s.wire_bytes);
         }
+        for (std::size_t i = 0; i < slots.size(); ++i)
+            if (slots[i].in_frame()) {
+                const auto bytes = slot_bytes(i);
+                out.put_bytes(bytes.data(), bytes.size());
+            }
         return std::move(out.bytes());
     }
 
+    // Slot i's bytes, as long as the slot: kept bytes, then a byte pattern.
+    std::vector<std::uint8_t> slot_bytes(std::size_t i) const {
+        std::vector<std::uint8_t> m = i < payload.size() ? payload[i] : std::vector<std::uint8_t>{};
+        const auto old = m.size();
+        m.resize(static_cast<std::size_t>(slots[i].bytes));
+        for (std::size_t b = old; b < m.size(); ++b) m[b] = static_cast<std::uint8_t>(b * 37 + 11);
+        return m;
+    }
+
+    std::uint32_t transferred_slots() const {
+        return static_cast<std::uint32_t>(std::count_if(slots.begin(), slots.end(), [](const slot_row& s) { return !s.in_frame(); }));
+    }
+
     // The messages a root would send for this frame: the frame (re-signed), then one payload
-    // message per slot, each as long as its slot (kept bytes, then a byte pattern), and the
-    // checksum trailer when the header asks for one (all zero: it will not match).
+    // message per transferred slot, each as long as its slot, and the status trailer (status
+    // ok; with the checksum flag its checksums are all zero: they will not match).
     std::vector<std::vector<std::uint8_t>> messages() const {
         auto out = frame_messages();
-        for (std::size_t i = 0; i < slots.size(); ++i) {
-            std::vector<std::uint8_t> m = i < payload.size() ? payload[i] : std::vector<std::uint8_t>{};
-            const auto old = m.size();
-            m.resize(static_cast<std::size_t>(slots[i].bytes));
-            for (std::size_t b = old; b < m.size(); ++b) m[b] = static_cast<std::uint8_t>(b * 37 + 11);
-            out.push_back(std::move(m));
-        }
-        if (header.flags & spbcast::detail::checksum_trailer)
-            out.emplace_back(8 * slots.size(), std::uint8_t{0});
+        for (std::size_t i = 0; i < slots.size(); ++i)
+            if (!slots[i].in_frame()) out.push_back(slot_bytes(i));
+        if (spbcast::detail::has_trailer(transferred_slots()))
+            out.emplace_back(spbcast::detail::trailer_bytes(transferred_slots(), header.flags), std::uint8_t{0});
         return out;
     }
 
     // Only the frame (for announcements too large to build the payload of).
     std::vector<std::vector<std::uint8_t>> frame_messages() const {
         frame_parts parts{header, body()};
-        parts.header.slot_count = static_cast<std::uint32_t>(slots.size());
+        parts.header.slot_count = transferred_slots();
         return join_frame(std::move(parts));
     }
 };

@@ -185,7 +185,7 @@ std::vector<seed> seeds() {
                    [](const auto& m) { return checked_replay<Tensors>(m); }});
     opts.checksum = true;
     out.push_back({"IValue dict, checksum", record(varied_ivalue(), opts),
-                   [](const auto& m) { return checked_replay<c10::IValue>(m); }});
+                   [opts](const auto& m) { return checked_replay<c10::IValue>(m, opts); }});
     return out;
 }
 
@@ -359,9 +359,9 @@ TEST_CASE("oversized announcements are refused before anything that large is all
     const auto messages = record(varied_tensors(), opts);
     const editable_frame base = editable_frame::from(messages);
 
-    SUBCASE("a frame body larger than max_frame_bytes") {
+    SUBCASE("a frame body larger than max_frame_bytes and than max_payload_bytes (the most a follower drains)") {
         frame_parts parts = split_frame(messages);
-        parts.header.body_bytes = lim.max_frame_bytes + 1;
+        parts.header.body_bytes = std::max<std::uint64_t>(lim.max_frame_bytes, lim.max_payload_bytes) + 1;
         parts.header.header_checksum = parts.header.compute_checksum();
         const auto r = checked_replay<Tensors>(join_frame(parts, false), opts);
         CHECK_SPBCAST_ERROR(r);

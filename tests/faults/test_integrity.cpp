@@ -23,14 +23,15 @@ namespace integrity {
 struct Batch {
     BOOST_HANA_DEFINE_STRUCT(Batch,
         (at::Tensor, pixels),                      // 2 MB: an in-place slot
-        (std::vector<at::Tensor>, small),          // coalesced into buckets
+        (std::vector<at::Tensor>, small),          // one bucket each
         (std::map<std::string, double>, scalars));
 };
 
 Batch make(int64_t step) {
     Batch b;
     b.pixels = at::arange(512 * 1024, at::kFloat).add_(static_cast<double>(step)).view({512, 1024});
-    for (int i = 0; i < 5; ++i) b.small.push_back(at::full({100 + i}, static_cast<double>(step * 10 + i)));
+    // 1.25 MiB together: more than a frame carries, so the buckets are messages of their own.
+    for (int i = 0; i < 5; ++i) b.small.push_back(at::full({65536 + i}, static_cast<double>(step * 10 + i)));
     b.scalars = {{"loss_scale", 1024.0}, {"step", static_cast<double>(step)}};
     return b;
 }
@@ -40,7 +41,7 @@ Batch make(int64_t step) {
 namespace {
 
 const spbcast::options base_opts{.root = 0, .timeout = 10s, .inplace_min_bytes = 1 << 20,
-                                 .bucket_bytes = 1 << 10, .checksum = true};
+                                 .bucket_bytes = 300 << 10, .checksum = true};
 
 // The messages of one broadcast of make(1), as the follower receives them: which are frame,
 // which payload slots (in-place or bucket), which the checksum trailer.
@@ -59,10 +60,12 @@ layout layout_of(spbcast::options opts) {
     spbcast::detail::byte_reader in(parts.body.data(), parts.body.size(), "test");
     const auto slots = spbcast::detail::read_slots(in);
     l.slots = slots.size();
-    for (std::size_t i = 0; i < slots.size(); ++i)
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+        REQUIRE_FALSE(slots[i].in_frame);  // every slot is a message of its own here
         (slots[i].in_place ? l.in_place : l.bucket).push_back(l.frame + i);
-    l.trailer = opts.checksum ? l.frame + slots.size() : 0;
-    REQUIRE(messages.size() == l.frame + l.slots + (opts.checksum ? 1 : 0));
+    }
+    l.trailer = l.frame + slots.size();
+    REQUIRE(messages.size() == l.frame + l.slots + 1);
     return l;
 }
 
@@ -118,7 +121,7 @@ TEST_CASE("options.checksum: a bit flipped in any payload slot or in the checksu
     const std::vector<target> targets = {{"in-place slot", l.in_place.front()},
                                          {"first bucket", l.bucket.front()},
                                          {"last bucket", l.bucket.back()},
-                                         {"checksum trailer", l.trailer}};
+                                         {"status trailer", l.trailer}};
     for (const auto& t : targets) {
         for (std::size_t bit : {std::size_t{0}, std::size_t{8 * 1000 + 3}}) {
             CAPTURE(t.name);

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <spbcast/group.hpp>
+
 #include <cstdint>
 #include <vector>
 
@@ -15,6 +17,9 @@ struct counting_group {
     Group& inner;
     int collectives = 0;
     std::uint64_t bytes = 0;
+
+    // spbcast knows a transport of ours by its address (spbcast::forget_group).
+    ~counting_group() { spbcast::forget_group(*this); }
 
     int getRank() const { return inner.getRank(); }
     int getSize() const { return inner.getSize(); }

@@ -91,6 +91,12 @@ public:
         throw error(errc::corrupt_frame, what_ + ": " + message + " (at byte " +
                                              std::to_string(offset_) + ")");
     }
+    // A well-formed frame beyond this rank's limits: not corrupt, so the context loses that word.
+    [[noreturn]] void fail_limit(const std::string& message) const {
+        const auto corrupt = what_.rfind(": corrupt");
+        throw error(errc::limit_exceeded,
+                    (corrupt == std::string::npos ? what_ : what_.substr(0, corrupt)) + ": " + message);
+    }
 
 private:
     void require(std::size_t size) const {

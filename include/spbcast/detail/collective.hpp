@@ -1,12 +1,14 @@
 // Runs the broadcasts of one spbcast::broadcast call on the user's group: at most
 // options.max_in_flight outstanding, each wait bounded by options.timeout, and any failure of
 // the group turned into a spbcast::transport_error that names the rank, the broadcast number,
-// the phase and the root.
+// the phase and the root - after marking the group broken (group_state.hpp), since the
+// announced sequence can no longer be completed.
 #pragma once
 
 #include "../error.hpp"
 #include "../group.hpp"
 #include "../options.hpp"
+#include "group_state.hpp"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -15,8 +17,8 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
-#include <unordered_map>
 #include <variant>
 #include <vector>
 
@@ -39,13 +41,6 @@ inline std::string exception_text(const std::exception& e) {
     return e.what();
 }
 
-// The n-th spbcast::broadcast on this group from this thread (ranks as threads each count
-// their own), for error messages.
-inline std::uint64_t next_sequence(const void* group) {
-    thread_local std::unordered_map<const void*, std::uint64_t> counts;
-    return ++counts[group];
-}
-
 // Extra time on top of options.timeout before we stop waiting ourselves: the backend is given
 // the same timeout and normally reports first, with its own, more precise message.
 inline constexpr std::chrono::milliseconds wait_grace{2000};
@@ -59,8 +54,9 @@ class collective {
         std::conditional_t<std::is_void_v<raw_work_type>, std::monostate, raw_work_type>;
 
 public:
-    collective(Group& group, const options& opts, std::uint64_t sequence)
-        : group_(group), opts_(opts), sequence_(sequence), rank_(group.getRank()) {
+    // `sequence`: the number of this broadcast on the group (group_state::broadcasts).
+    collective(Group& group, const options& opts, group_state& state, std::uint64_t sequence)
+        : group_(group), opts_(opts), state_(state), sequence_(sequence), rank_(group.getRank()) {
         broadcast_options_.rootRank = opts.root;
         broadcast_options_.rootTensor = 0;
         broadcast_options_.timeout = opts.timeout;
@@ -77,23 +73,41 @@ public:
 
     // Starts broadcasting `buffer` (sent on the root, received elsewhere); `on_done` runs when
     // it has completed. Waits for the oldest outstanding broadcast first if too many are.
-    void launch(at::Tensor buffer, std::string phase, std::function<void()> on_done = {}) {
+    // `timeout` replaces options.timeout for this message (a follower waiting for the root).
+    void launch(at::Tensor buffer, std::string phase, std::function<void()> on_done = {},
+                std::optional<std::chrono::milliseconds> timeout = std::nullopt) {
         while (pending_.size() >= std::max<std::size_t>(opts_.max_in_flight, 1)) finish_oldest();
-        pending p{{}, buffer, std::move(phase), std::move(on_done), {buffer}};
+        c10d::BroadcastOptions broadcast_options = broadcast_options_;
+        if (timeout) broadcast_options.timeout = *timeout;
+        pending p{{}, buffer, std::move(phase), std::move(on_done), {buffer},
+                  broadcast_options.timeout};
         try {
             if constexpr (std::is_void_v<raw_work_type>)
-                group_.broadcast(p.tensors, broadcast_options_);
+                group_.broadcast(p.tensors, broadcast_options);
             else
-                p.work = group_.broadcast(p.tensors, broadcast_options_);
+                p.work = group_.broadcast(p.tensors, broadcast_options);
         } catch (const std::exception& e) {
             fail(p.phase, exception_text(e));
         }
         pending_.push_back(std::move(p));
     }
 
-    void run(at::Tensor buffer, std::string phase) {
-        launch(std::move(buffer), std::move(phase));
+    void run(at::Tensor buffer, std::string phase,
+             std::optional<std::chrono::milliseconds> timeout = std::nullopt) {
+        launch(std::move(buffer), std::move(phase), {}, timeout);
         wait_all();
+    }
+
+    // The first exception a completion callback threw: callbacks never interrupt the
+    // sequence, the caller raises this once every announced message has been issued.
+    std::exception_ptr callback_failure() const { return callback_failure_; }
+
+    // This rank cannot complete the announced sequence (it cannot even drain): later calls on
+    // the group raise `cause` at once instead of issuing collectives the peers would mismatch.
+    [[noreturn]] void break_group(errc code, const std::string& cause, const std::string& phase) {
+        state_.broken = code;
+        state_.broken_cause = cause;
+        throw transport_error(code, cause, phase);
     }
 
     void wait_all() {
@@ -102,6 +116,12 @@ public:
 
     int rank() const { return rank_; }
     std::uint64_t sequence() const { return sequence_; }
+    // A follower that found the root at another count takes the root's, so the next broadcast
+    // is in step again.
+    void adopt_sequence(std::uint64_t root_sequence) {
+        state_.broadcasts = root_sequence;
+        sequence_ = root_sequence;
+    }
     const options& opts() const { return opts_; }
 
     // "rank 1: broadcast #7 from root 0" - the prefix of every message about this call.
@@ -117,22 +137,28 @@ private:
         std::string phase;
         std::function<void()> on_done;
         std::vector<at::Tensor> tensors;
+        std::chrono::milliseconds timeout;
     };
 
     void finish_oldest() {
         pending& p = pending_.front();
         try {
-            wait(p.work);
+            wait(p.work, p.timeout);
         } catch (const std::exception& e) {
-            fail(p.phase, exception_text(e));
+            fail(p.phase, exception_text(e), p.timeout);
         }
         auto on_done = std::move(p.on_done);
         pending_.pop_front();
-        if (on_done) on_done();
+        if (!on_done) return;
+        try {
+            on_done();
+        } catch (...) {
+            if (!callback_failure_) callback_failure_ = std::current_exception();
+        }
     }
 
-    void wait(work_type& work) {
-        const auto limit = opts_.timeout + wait_grace;
+    void wait(work_type& work, std::chrono::milliseconds timeout) {
+        const auto limit = timeout + wait_grace;
         if constexpr (requires { work->wait(limit); }) {
             if (!work->wait(limit)) throw std::runtime_error("timed out waiting for the backend");
         } else if constexpr (requires { work->wait(); }) {
@@ -142,28 +168,34 @@ private:
         }
     }
 
-    [[noreturn]] void fail(const std::string& phase, const std::string& what) {
+    [[noreturn]] void fail(const std::string& phase, const std::string& what,
+                           std::chrono::milliseconds timeout) {
         const bool timed_out = what.find("imed out") != std::string::npos ||
                                what.find("imeout") != std::string::npos;
-        throw transport_error(
-            timed_out ? errc::timeout : errc::transport,
-            where() + " failed in phase '" + phase + "' (" +
-                (timed_out ? "timed out after options.timeout = " +
-                                 std::to_string(opts_.timeout.count()) + " ms"
-                           : std::string("the process group failed")) +
-                "): " + what +
-                "\nA peer has probably died or stopped calling spbcast::broadcast on this group; "
-                "the group is unusable now - restart the job (raise options.timeout if peers are "
-                "only slow).",
-            phase);
+        break_group(timed_out ? errc::timeout : errc::transport,
+                    where() + " failed in phase '" + phase + "' (" +
+                        (timed_out ? std::string("timed out after ") +
+                                         (timeout == opts_.timeout ? "options.timeout" : "options.root_wait") +
+                                         " = " + std::to_string(timeout.count()) + " ms"
+                                   : std::string("the process group failed")) +
+                        "): " + what +
+                        "\nA peer has probably died or stopped calling spbcast::broadcast on this "
+                        "group; the group is unusable now - restart the job (raise "
+                        "options.timeout if peers are only slow).",
+                    phase);
+    }
+    [[noreturn]] void fail(const std::string& phase, const std::string& what) {
+        fail(phase, what, opts_.timeout);
     }
 
     Group& group_;
     const options& opts_;
+    group_state& state_;
     std::uint64_t sequence_;
     int rank_;
     c10d::BroadcastOptions broadcast_options_;
     std::deque<pending> pending_;
+    std::exception_ptr callback_failure_;
 };
 
 }  // namespace spbcast::detail

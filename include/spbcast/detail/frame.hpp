@@ -1,6 +1,7 @@
-// The fixed 64-byte frame header (see docs/wire-format.md). The first collective of every
-// broadcast carries it together with the start of the body in a fixed-size message, so a
-// small batch needs one metadata collective and followers need no size in advance.
+// The fixed 64-byte frame header and the status trailer (see docs/wire-format.md). The first
+// collective of every broadcast carries the header together with the start of the body in a
+// fixed-size message; from the header and the slot table every rank knows the whole sequence
+// of collectives that follows, and issues exactly that sequence whatever it finds.
 #pragma once
 
 #include "bytes.hpp"
@@ -11,12 +12,16 @@
 namespace spbcast::detail {
 
 inline constexpr std::uint32_t frame_magic = 0x43425053;  // "SPBC" in little-endian bytes
-inline constexpr std::uint16_t format_version = 1;
+inline constexpr std::uint16_t format_version = 2;
 inline constexpr std::size_t inline_frame_bytes = 8192;  // header + first body bytes
 
-enum class frame_status : std::uint16_t { ok = 0, error = 1 };
-// shared_segment: the payload lies in a shared-memory segment (same_host.hpp) described after
-// the slot table, and no payload collective follows.
+// keep_alive: the root is still producing its batch; the real frame follows (keep_alive.hpp).
+// same_host_offer: the first message of the same-host handshake (shm_channel.hpp), shaped like a
+// frame so that a follower receives it after any keep-alive frames, as it would a frame.
+enum class frame_status : std::uint16_t { ok = 0, error = 1, keep_alive = 2, same_host_offer = 3 };
+// checksum_trailer: the status trailer carries checksums. shared_segment: the transferred slots
+// lie in a shared-memory segment (same_host.hpp) described after the slot table, and travel in
+// no collective; the status trailer still ends the broadcast.
 enum frame_flags : std::uint32_t { checksum_trailer = 1, shared_segment = 2 };
 
 struct frame_header {
@@ -44,5 +49,25 @@ inline constexpr std::size_t inline_body_bytes = inline_frame_bytes - sizeof(fra
 // A root's error message is cut to this, so its error frame (an empty slot table and the
 // message) fits in the first message and is read whatever the follower's limits.
 inline constexpr std::size_t max_error_message_bytes = inline_body_bytes - 64;
+
+// The last collective of every broadcast that has payload slots: the root's final status
+// (a root can still fail while it gathers its buckets) and, with the checksum flag, one
+// checksum per slot. Its size follows from the header alone, so a follower receives it
+// whatever it found, and a root that failed mid-payload still ends the sequence the header
+// announced - followers then raise the root's message at once.
+struct trailer_head {
+    std::uint32_t status = 0;         // frame_status
+    std::uint32_t message_bytes = 0;  // of the root's message, at most trailer_message_bytes
+    std::uint64_t checksum = 0;       // checksum64 of the whole trailer with this field zero
+};
+static_assert(sizeof(trailer_head) == 16);
+inline constexpr std::size_t trailer_message_bytes = 1024;
+
+inline bool has_trailer(std::uint32_t slot_count) { return slot_count != 0; }
+
+inline std::size_t trailer_bytes(std::uint32_t slot_count, std::uint32_t flags) {
+    return sizeof(trailer_head) + ((flags & checksum_trailer) ? 8 * std::size_t{slot_count} : 0) +
+           trailer_message_bytes;
+}
 
 }  // namespace spbcast::detail

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <new>
 #include <optional>
 #include <string>
@@ -26,73 +27,162 @@
 
 namespace spbcast::detail {
 
+// Receives the frame. Whatever leaves this rank unable to know the rest of the announced
+// sequence (a damaged header or body, a body it cannot even allocate) breaks the group: the
+// next collective could mismatch the root's.
 template <class Group>
 std::pair<frame_header, std::vector<std::uint8_t>> receive_frame(collective<Group>& c) {
+    auto corrupt = [&](const std::string& what, const std::string& phase) {
+        c.break_group(errc::corrupt_frame,
+                      c.where() + ": received a corrupt frame (" + what +
+                          "); the sender is not spbcast or the transport corrupts data, and this "
+                          "rank cannot tell what follows - restart the job",
+                      phase);
+    };
     at::Tensor first = at::empty({static_cast<std::int64_t>(inline_frame_bytes)}, at::kByte);
-    c.run(first, "frame");
     const auto* in = first.data_ptr<std::uint8_t>();
     frame_header header;
-    std::memcpy(&header, in, sizeof header);
-    auto corrupt = [&](const std::string& what) {
-        throw error(errc::corrupt_frame, c.where() + ": received a corrupt frame header (" + what +
-                                             "); the sender is not spbcast or the transport "
-                                             "corrupts data");
-    };
-    if (header.magic != frame_magic) corrupt("bad magic");
-    if (header.header_checksum != header.compute_checksum()) corrupt("header checksum mismatch");
-    // An error frame is always inline (send.hpp cuts the message) and is read whatever the
-    // limits, so a root's error reaches every follower as the root's error.
-    const bool inline_error = header.status == static_cast<std::uint16_t>(frame_status::error) &&
-                              header.body_bytes <= inline_body_bytes;
-    if (header.body_bytes > c.opts().limits.max_frame_bytes && !inline_error)
-        throw error(errc::limit_exceeded,
-                    c.where() + ": the frame body of " + std::to_string(header.body_bytes) +
-                        " bytes exceeds limits.max_frame_bytes = " +
-                        std::to_string(c.opts().limits.max_frame_bytes) +
-                        "; use the same limits on every rank");
-    std::vector<std::uint8_t> body(header.body_bytes);
-    const std::size_t inline_part = std::min<std::size_t>(body.size(), inline_body_bytes);
-    if (inline_part != 0) std::memcpy(body.data(), in + sizeof header, inline_part);
-    if (body.size() > inline_part) {
-        at::Tensor rest = at::empty({static_cast<std::int64_t>(body.size() - inline_part)}, at::kByte);
-        c.run(rest, "frame body");
-        std::memcpy(body.data() + inline_part, rest.data_ptr<std::uint8_t>(), rest.numel());
+    do {  // keep-alive frames: the root is alive and still producing its batch
+        c.run(first, "frame", c.opts().root_wait_or_timeout());
+        std::memcpy(&header, in, sizeof header);
+        if (header.magic != frame_magic) corrupt("bad magic", "frame");
+        if (header.header_checksum != header.compute_checksum()) corrupt("header checksum mismatch", "frame");
+    } while (header.status == static_cast<std::uint16_t>(frame_status::keep_alive) && header.body_bytes == 0);
+    const std::size_t inline_part = std::min<std::uint64_t>(header.body_bytes, inline_body_bytes);
+    const limits& lim = c.opts().limits;
+    if (header.body_bytes > std::max<std::uint64_t>(lim.max_frame_bytes, lim.max_payload_bytes))
+        c.break_group(errc::limit_exceeded,
+                      c.where() + ": the announced frame body of " + std::to_string(header.body_bytes) +
+                          " bytes exceeds limits.max_frame_bytes and limits.max_payload_bytes, so "
+                          "this rank cannot even drain it; the group is out of step - use the same "
+                          "limits on every rank",
+                      "frame body");
+    std::vector<std::uint8_t> body;
+    try {
+        // Received even beyond limits.max_frame_bytes (checked once the payload is drained,
+        // like every limit): the body holds the slot table, without which nothing can be drained.
+        at::Tensor rest;
+        if (header.body_bytes > inline_part) {
+            rest = at::empty({static_cast<std::int64_t>(header.body_bytes - inline_part)}, at::kByte);
+        }
+        if (rest.defined()) c.run(rest, "frame body");
+        body.resize(static_cast<std::size_t>(header.body_bytes));
+        if (inline_part != 0) std::memcpy(body.data(), in + sizeof header, inline_part);
+        if (rest.defined()) std::memcpy(body.data() + inline_part, rest.data_ptr<std::uint8_t>(), rest.numel());
+    } catch (const spbcast::error&) {
+        throw;
+    } catch (const std::exception& e) {
+        c.break_group(errc::limit_exceeded,
+                      c.where() + ": cannot allocate the announced frame body of " +
+                          std::to_string(header.body_bytes) + " bytes (" + exception_text(e) +
+                          "); the group is out of step - restart the job",
+                      "frame body");
     }
     if (checksum64(body.data(), body.size()) != header.body_checksum)
-        corrupt("body checksum mismatch");
+        corrupt("body checksum mismatch", "frame body");
     return {header, std::move(body)};
 }
 
-// Receives and discards the announced payload, so the group stays in step when this rank
-// cannot use the batch (schema or version mismatch).
-//
-// The scratch buffer draining needs: as large as the largest slot, or nothing when the slots
-// together exceed limits.max_payload_bytes (then this rank refuses to receive and the root
-// times out). Checked slot by slot: announced sizes are untrusted and their sum could wrap.
-inline std::optional<std::uint64_t> drain_scratch_bytes(const std::vector<slot_meta>& slots,
-                                                        const limits& lim) {
-    std::uint64_t total = 0, largest = 0;
-    for (const auto& s : slots) {
-        if (s.bytes > lim.max_payload_bytes - total) return std::nullopt;
-        total += s.bytes;
-        largest = std::max(largest, s.bytes);
+// The slot table leads the body in every version, so this rank can always learn the announced
+// payload messages; a table it cannot read breaks the group.
+template <class Group>
+std::vector<slot_meta> announced_slots(collective<Group>& c, const frame_header& header,
+                                       const std::vector<std::uint8_t>& body) {
+    try {
+        byte_reader in(body.data(), body.size(), c.where() + ": corrupt frame");
+        auto slots = read_slots(in);
+        if (transferred_slot_count(slots) != header.slot_count) in.fail("slot count differs from the header");
+        return slots;
+    } catch (const spbcast::error& e) {
+        c.break_group(errc::corrupt_frame,
+                      std::string(e.what()) + "; this rank cannot tell what follows - restart the job",
+                      "frame");
     }
+}
+
+// The size of the message that ends a broadcast after its payload slots (0: none). Version 1
+// ended with an optional checksum message; later versions keep this rule for the versions
+// they know, so a follower can drain a frame it cannot use.
+inline std::uint64_t announced_trailer_bytes(const frame_header& header) {
+    if (header.version == 1) return (header.flags & checksum_trailer) ? 8 * std::uint64_t{header.slot_count} : 0;
+    return has_trailer(header.slot_count) ? trailer_bytes(header.slot_count, header.flags) : 0;
+}
+
+// The scratch buffer draining needs: as large as the largest slot (one buffer serves every
+// slot). A message this rank does not keep is drained up to limits.max_payload_bytes, the most
+// a frame may make a follower allocate; beyond that it cannot be drained.
+inline std::uint64_t drain_scratch_bytes(const std::vector<slot_meta>& slots) {
+    std::uint64_t largest = 0;
+    for (const auto& s : slots)
+        if (!s.in_frame) largest = std::max(largest, s.bytes);
     return largest;
 }
 
+// Receives and discards the announced payload and trailer, so the group stays in step when
+// this rank cannot use the batch. Returns the trailer (empty if none was announced).
 template <class Group>
-void drain_payload(collective<Group>& c, const frame_header& header,
-                   const std::vector<slot_meta>& slots) {
-    if (!(header.flags & shared_segment)) {  // a shared segment has no payload collectives
-        const auto largest = drain_scratch_bytes(slots, c.opts().limits);
-        if (!largest) return;  // refuse to allocate; the root times out
-        at::Tensor scratch = at::empty({static_cast<std::int64_t>(*largest)}, at::kByte);
-        for (std::size_t i = 0; i < slots.size(); ++i)
-            c.run(scratch.narrow(0, 0, static_cast<std::int64_t>(slots[i].bytes)),
-                  "draining payload slot " + std::to_string(i));
+std::vector<std::uint8_t> drain_payload(collective<Group>& c, const frame_header& header,
+                                        const std::vector<slot_meta>& slots) {
+    const std::uint64_t trailer_size = announced_trailer_bytes(header);
+    at::Tensor scratch, trailer;
+    try {
+        const std::uint64_t largest = (header.flags & shared_segment) ? 0 : drain_scratch_bytes(slots);
+        if (largest > c.opts().limits.max_payload_bytes)
+            throw std::length_error("a slot of " + std::to_string(largest) +
+                                    " bytes exceeds limits.max_payload_bytes = " +
+                                    std::to_string(c.opts().limits.max_payload_bytes));
+        scratch = at::empty({static_cast<std::int64_t>(largest)}, at::kByte);
+        trailer = at::empty({static_cast<std::int64_t>(trailer_size)}, at::kByte);
+    } catch (const std::exception& e) {
+        c.break_group(errc::limit_exceeded,
+                      c.where() + ": cannot drain the announced payload (" + exception_text(e) +
+                          "); the group is out of step - restart the job",
+                      "draining");
     }
+    const bool in_segment = header.flags & shared_segment;  // no payload collective then
+    for (std::size_t i = 0; i < slots.size() && !in_segment; ++i)
+        if (!slots[i].in_frame)
+            c.launch(scratch.narrow(0, 0, static_cast<std::int64_t>(slots[i].bytes)),
+                     "draining payload slot " + std::to_string(i + 1));
+    if (trailer_size != 0) c.launch(trailer, "draining the status trailer");
+    c.wait_all();
+    std::vector<std::uint8_t> out(trailer_size);
+    if (trailer_size != 0) std::memcpy(out.data(), trailer.data_ptr(), trailer_size);
+    return out;
+}
+
+// The root's final word on a broadcast, from its trailer: throws the root's error, or returns
+// the payload checksums it sent (empty without the checksum flag).
+inline std::vector<std::uint64_t> read_trailer(const frame_header& header,
+                                               const std::vector<std::uint8_t>& trailer,
+                                               const std::string& where, int root) {
+    if (header.version == 1 || trailer.empty()) {
+        std::vector<std::uint64_t> sums(trailer.size() / 8);
+        if (!sums.empty()) std::memcpy(sums.data(), trailer.data(), 8 * sums.size());
+        return sums;
+    }
+    byte_reader in(trailer.data(), trailer.size(), where + ": corrupt status trailer");
+    trailer_head head;
+    head.status = in.get<std::uint32_t>();
+    head.message_bytes = in.get<std::uint32_t>();
+    head.checksum = in.get<std::uint64_t>();
+    std::vector<std::uint8_t> unsigned_trailer = trailer;
+    std::memset(unsigned_trailer.data() + offsetof(trailer_head, checksum), 0, sizeof head.checksum);
+    if (checksum64(unsigned_trailer.data(), unsigned_trailer.size()) != head.checksum)
+        throw error(errc::payload_corrupt, where + ": the status trailer arrived corrupted (checksum "
+                                                   "mismatch); the transport damaged data - check the "
+                                                   "network and retry");
+    std::vector<std::uint64_t> sums;
     if (header.flags & checksum_trailer)
-        c.run(at::empty({static_cast<std::int64_t>(8 * slots.size())}, at::kByte), "draining checksums");
+        for (std::uint32_t i = 0; i < header.slot_count; ++i) sums.push_back(in.get<std::uint64_t>());
+    if (head.status == static_cast<std::uint32_t>(frame_status::ok)) return sums;
+    if (head.status != static_cast<std::uint32_t>(frame_status::error) || head.message_bytes > trailer_message_bytes)
+        in.fail("unknown status " + std::to_string(head.status));
+    const auto* text = in.get_bytes(head.message_bytes);
+    const std::string root_message(reinterpret_cast<const char*>(text), head.message_bytes);
+    throw remote_error(where + ": the root (rank " + std::to_string(root) +
+                           ") failed while sending the batch: " + root_message,
+                       root, root_message);
 }
 
 inline std::string schema_difference(std::string_view local, std::string_view root) {
@@ -108,7 +198,7 @@ inline std::string schema_difference(std::string_view local, std::string_view ro
 struct parsed_frame {
     receive_plan plan;
     std::size_t values_offset = 0, values_size = 0;
-    // Where the payload lies when it came in a shared segment.
+    // Where the transferred slots lie when they came in a shared segment.
     std::optional<segment_layout> segment;
     // Set when this rank cannot use the batch (schema or version mismatch): the payload is
     // drained first, then this is thrown.
@@ -133,7 +223,7 @@ parsed_frame parse_frame(const frame_header& header, const std::vector<std::uint
         in.fail("unknown frame status " + std::to_string(header.status));
     parsed_frame frame;
     frame.plan.read_slot_table(in);
-    if (frame.plan.slots().size() != header.slot_count) in.fail("slot count differs from the header");
+    if (transferred_slot_count(frame.plan.slots()) != header.slot_count) in.fail("slot count differs from the header");
     if (header.flags & shared_segment) frame.segment = segment_layout::read(in, frame.plan.slots());
     if (header.version != format_version) {
         frame.mismatch = std::make_exception_ptr(error(
@@ -165,15 +255,14 @@ parsed_frame parse_frame(const frame_header& header, const std::vector<std::uint
 template <class T>
 T decode_value(const parsed_frame& frame, const std::vector<std::uint8_t>& body, const limits& lim,
                const std::string& where) {
-    static_assert(std::is_default_constructible_v<T> && std::is_move_assignable_v<T>,
-                  "spbcast: the broadcast type must be default-constructible and "
-                  "move-assignable (followers build a fresh value and move it in)");
+    static_assert(std::is_move_assignable_v<T>,
+                  "spbcast: the broadcast type must be move-assignable (followers build a fresh "
+                  "value and move it into the caller's)");
     try {
         const std::vector<at::Tensor> tensors = frame.plan.build_tensors();
         byte_reader values(body.data() + frame.values_offset, frame.values_size, where + ": corrupt frame");
-        T result{};
         decoder dec(values, tensors, lim);
-        dec.value(result);
+        T result = dec.make<T>();
         if (values.remaining() != 0) values.fail("trailing bytes after the value");
         return result;
     } catch (const spbcast::error&) {
@@ -185,83 +274,162 @@ T decode_value(const parsed_frame& frame, const std::vector<std::uint8_t>& body,
     }
 }
 
+// What must agree between this rank and the root beyond the batch type: the broadcast count
+// on this group, the root, the checksum option and this rank's frame limit. Throws the reason
+// this rank refuses the batch.
+template <class Group>
+void check_agreement(collective<Group>& c, const frame_header& header) {
+    const options& opts = c.opts();
+    auto refuse = [&](errc code, const std::string& what) {
+        throw error(code, c.where() + ": " + what);
+    };
+    if (header.sequence != c.sequence()) {
+        const std::uint64_t ours = c.sequence();
+        c.adopt_sequence(header.sequence);  // the next broadcast is in step again
+        // A rank's first broadcast on a group object (a new process after a restart, a new
+        // wrapper around the same communicator) has no count of its own to hold against the
+        // root's: it takes the root's.
+        if (ours == 1) return check_agreement(c, header);
+        refuse(errc::out_of_step,
+               "the root sent its broadcast #" + std::to_string(header.sequence) +
+                   " on this group while this is this rank's #" + std::to_string(ours) +
+                   "; a rank skipped or added a spbcast::broadcast call - every rank must make "
+                   "the same calls on a group in the same order");
+    }
+    if (header.root != static_cast<std::uint32_t>(opts.root))
+        refuse(errc::out_of_step, "the frame came from rank " + std::to_string(header.root) +
+                                      " but this rank called with options.root = " +
+                                      std::to_string(opts.root) + "; pass the same root on every rank");
+    const bool root_checksums = header.flags & checksum_trailer;
+    if (header.status == static_cast<std::uint16_t>(frame_status::ok) && root_checksums != opts.checksum)
+        refuse(errc::out_of_step, std::string("options.checksum is ") + (root_checksums ? "true" : "false") +
+                                      " on the root and " + (opts.checksum ? "true" : "false") +
+                                      " on this rank; pass the same options on every rank");
+    const bool inline_error = header.status == static_cast<std::uint16_t>(frame_status::error) &&
+                              header.body_bytes <= inline_body_bytes;
+    if (header.body_bytes > opts.limits.max_frame_bytes && !inline_error)
+        refuse(errc::limit_exceeded, "the frame body of " + std::to_string(header.body_bytes) +
+                                         " bytes exceeds limits.max_frame_bytes = " +
+                                         std::to_string(opts.limits.max_frame_bytes) +
+                                         "; use the same limits on every rank");
+}
+
+// Anything a follower meets while it cannot use a batch, as a spbcast::error: c10 and
+// allocation failures included, so nothing else ever leaves a follower.
+inline std::exception_ptr as_spbcast_error(std::exception_ptr failure, const std::string& where) {
+    try {
+        std::rethrow_exception(failure);
+    } catch (const spbcast::error&) {
+        return failure;
+    } catch (const std::bad_alloc&) {
+        return std::make_exception_ptr(error(errc::limit_exceeded,
+                                             where + ": out of memory while allocating the batch; "
+                                                     "the payload was drained and the group is usable"));
+    } catch (const std::exception& e) {
+        return std::make_exception_ptr(error(errc::corrupt_frame, where + ": cannot use the root's frame (" +
+                                                                      exception_text(e) + ")"));
+    } catch (...) {
+        return std::make_exception_ptr(error(errc::corrupt_frame, where + ": cannot use the root's frame"));
+    }
+}
+
+// A follower's broadcast. After the frame it issues exactly the announced messages whatever it
+// finds: a batch it refuses (another type or version, its limits, an unknown dtype, no memory,
+// a throwing callback) is drained first and refused afterwards, so the next broadcast works.
 template <class T, class Group>
-void receive_unchecked(collective<Group>& c, T& value, same_host_state* same_host) {
+void receive(collective<Group>& c, T& value, same_host_state* same_host = nullptr) {
     const options& opts = c.opts();
     auto [header, body] = receive_frame(c);
-    // The root handed the segment over before the frame; take it off the socket first, so the
-    // socket stays in step whatever this rank does with the batch.
+    const std::vector<slot_meta> slots = announced_slots(c, header, body);
+
+    std::exception_ptr refusal;
+    std::optional<parsed_frame> frame;
+    // The root handed the segment over before the frame: taken off the socket first, so the
+    // socket stays in step whatever this rank does with the batch; released unless mapped.
     std::optional<segment_delivery> delivery;
-    if (header.flags & shared_segment) delivery = take_segment(c, same_host);
-    parsed_frame frame = parse_frame<T>(header, body, opts.limits, c.where(), opts.root);
-    if (frame.mismatch) {
-        delivery.reset();
-        drain_payload(c, header, frame.plan.slots());
-        std::rethrow_exception(frame.mismatch);
+    std::vector<at::Tensor> segment_slots;
+    try {
+        if (header.flags & shared_segment) delivery = take_segment(c, same_host);
+        std::exception_ptr disagreement;
+        try {
+            check_agreement(c, header);
+        } catch (const spbcast::error&) {
+            disagreement = std::current_exception();
+        }
+        std::exception_ptr unusable;
+        try {
+            frame.emplace(parse_frame<T>(header, body, opts.limits, c.where(), opts.root));
+        } catch (const spbcast::error&) {
+            unusable = std::current_exception();
+        }
+        // Another version or batch type explains everything else that differs, and options
+        // that differ explain a frame this rank's limits cannot read.
+        if (frame && frame->mismatch)
+            refusal = frame->mismatch;
+        else if (disagreement)
+            refusal = disagreement;
+        else if (unusable)
+            refusal = unusable;
+        else if (frame->segment) {
+            segment_slots = map_segment(c, *delivery, *frame->segment, slots, header.sequence);
+            frame->plan.adopt_slots(segment_slots);
+        } else
+            frame->plan.allocate();
+    } catch (...) {
+        refusal = as_spbcast_error(std::current_exception(), c.where());
+    }
+    delivery.reset();
+    if (refusal) {
+        const std::vector<std::uint8_t> trailer = drain_payload(c, header, slots);
+        read_trailer(header, trailer, c.where(), static_cast<int>(header.root));  // the root's error first
+        std::rethrow_exception(refusal);
     }
 
-    receive_plan& plan = frame.plan;
-    const auto& slots = plan.slots();
-    std::vector<std::uint64_t> checksums(slots.size());
-    if (frame.segment) {
-        std::vector<at::Tensor> slot_data;
-        try {
-            slot_data = map_segment(c, *delivery, *frame.segment, slots, header.sequence);
-        } catch (const spbcast::error&) {
-            delivery.reset();
-            drain_payload(c, header, slots);  // the checksum trailer, if announced
-            throw;
-        }
-        delivery.reset();
-        if (opts.checksum)
-            for (std::uint32_t i = 0; i < slots.size(); ++i)
-                checksums[i] = checksum64(slot_data[i].data_ptr(), slot_data[i].numel());
-        plan.adopt_slots(std::move(slot_data));
-    } else {
-        plan.allocate();
-    }
-    for (std::uint32_t i = 0; i < slots.size() && !frame.segment; ++i) {
+    receive_plan& plan = frame->plan;
+    const std::uint64_t trailer_size = announced_trailer_bytes(header);
+    at::Tensor trailer = at::empty({static_cast<std::int64_t>(trailer_size)}, at::kByte);
+    std::vector<std::uint64_t> checksums(header.slot_count);
+    std::uint32_t received = 0;
+    if (frame->segment)  // in place already; only checksums to compute
+        for (std::uint32_t i = 0, k = 0; i < slots.size(); ++i)
+            if (!slots[i].in_frame && opts.checksum)
+                checksums[k++] = checksum64(segment_slots[i].data_ptr(), static_cast<std::size_t>(segment_slots[i].numel()));
+    segment_slots.clear();
+    for (std::uint32_t i = 0; i < slots.size() && !frame->segment; ++i) {
+        if (slots[i].in_frame) continue;
         at::Tensor buffer = plan.slot_receive_tensor(i);
-        c.launch(buffer, "payload slot " + std::to_string(i + 1) + "/" + std::to_string(slots.size()),
-                 [&plan, &checksums, &opts, buffer, i] {
-                     if (opts.checksum) checksums[i] = checksum64(buffer.data_ptr(), buffer.numel());
+        const std::uint32_t k = received++;
+        c.launch(buffer, "payload slot " + std::to_string(k + 1) + "/" + std::to_string(header.slot_count),
+                 [&plan, &checksums, &opts, buffer, i, k] {
+                     if (opts.checksum) checksums[k] = checksum64(buffer.data_ptr(), buffer.numel());
                      plan.unpack_slot(i);
                  });
     }
-    at::Tensor trailer;
-    if (header.flags & checksum_trailer) {
-        trailer = at::empty({static_cast<std::int64_t>(8 * slots.size())}, at::kByte);
-        c.launch(trailer, "checksums");
-    }
+    if (trailer_size != 0) c.launch(trailer, "status trailer");
     c.wait_all();
-    if (trailer.defined() && opts.checksum) {
-        const auto* expected = static_cast<const std::uint64_t*>(trailer.data_ptr());
-        for (std::size_t i = 0; i < slots.size(); ++i)
-            if (checksums[i] != expected[i])
+    const auto* trailer_data = static_cast<const std::uint8_t*>(trailer.data_ptr());
+    const auto expected = read_trailer(header, std::vector<std::uint8_t>(trailer_data, trailer_data + trailer_size),
+                                       c.where(), static_cast<int>(header.root));
+    if (c.callback_failure()) std::rethrow_exception(as_spbcast_error(c.callback_failure(), c.where()));
+    if (opts.checksum)
+        for (std::size_t k = 0; k < checksums.size(); ++k)
+            if (checksums[k] != expected.at(k))
                 throw error(errc::payload_corrupt,
-                            c.where() + ": payload slot " + std::to_string(i + 1) + " of " +
-                                std::to_string(slots[i].bytes) +
-                                " bytes arrived corrupted (checksum mismatch); the transport "
-                                "damaged data - check the network and retry");
-    }
-    value = decode_value<T>(frame, body, opts.limits, c.where());
-}
-
-// decode_value's net covers rebuilding the value; this one also covers unpacking the payload
-// (ATen's copy_ into gathered views) and draining (at::empty), so nothing from ATen or c10 ever
-// leaves a follower as anything but spbcast::error.
-template <class T, class Group>
-void receive(collective<Group>& c, T& value, same_host_state* same_host = nullptr) {
+                            c.where() + ": payload slot " + std::to_string(k + 1) +
+                                " arrived corrupted (checksum mismatch); the transport damaged "
+                                "data - check the network and retry");
     try {
-        receive_unchecked(c, value, same_host);
-    } catch (const spbcast::error&) {
-        throw;
-    } catch (const std::bad_alloc&) {
-        throw;
-    } catch (const std::exception& e) {
-        throw error(errc::corrupt_frame, c.where() + ": cannot use the root's frame (" + exception_text(e) +
-                                             "); the root runs an incompatible spbcast or the "
-                                             "frame was damaged");
+        // Slots that came in the frame (covered by its checksum), now that the sequence is done.
+        for (std::uint32_t i = 0; i < slots.size(); ++i) {
+            if (!slots[i].in_frame) continue;
+            const slot_meta& slot = plan.slots()[i];
+            at::Tensor buffer = plan.slot_receive_tensor(i);
+            if (slot.bytes != 0) std::memcpy(buffer.data_ptr(), body.data() + slot.frame_offset, slot.bytes);
+            plan.unpack_slot(i);
+        }
+        value = decode_value<T>(*frame, body, opts.limits, c.where());
+    } catch (...) {
+        std::rethrow_exception(as_spbcast_error(std::current_exception(), c.where()));
     }
 }
 

@@ -32,8 +32,8 @@ struct segment_layout {
     std::uint64_t segment = 0;   // the root's id of the segment
     std::uint64_t capacity = 0;  // its size, as the follower must find it
     std::uint64_t used = 0;      // bytes the slots span, from the start
-    std::vector<std::uint64_t> offsets;  // per slot
-    std::vector<std::uint64_t> checksums;  // root only, with options.checksum: per slot
+    std::vector<std::uint64_t> offsets;    // per transferred slot (not in the frame)
+    std::vector<std::uint64_t> checksums;  // root only, with options.checksum: per transferred slot
 
     void write(byte_writer& out) const {
         out.put<std::uint64_t>(segment);
@@ -41,20 +41,24 @@ struct segment_layout {
         out.put<std::uint64_t>(used);
         for (auto o : offsets) out.put<std::uint64_t>(o);
     }
-    // Validated against the slot table: every slot inside `used`, `used` inside `capacity`.
+    // Validated against the slot table: every transferred slot inside `used`, `used` inside
+    // `capacity`. Slots that ride in the frame have no place in the segment.
     static segment_layout read(byte_reader& in, const std::vector<slot_meta>& slots) {
         segment_layout l;
         l.segment = in.get<std::uint64_t>();
         l.capacity = in.get<std::uint64_t>();
         l.used = in.get<std::uint64_t>();
         if (l.used > l.capacity) in.fail("the segment's used bytes exceed its capacity");
-        if (slots.size() > in.remaining() / 8) in.fail("segment offsets exceed the frame");
-        l.offsets.resize(slots.size());
+        const std::uint32_t transferred = transferred_slot_count(slots);
+        if (transferred > in.remaining() / 8) in.fail("segment offsets exceed the frame");
+        l.offsets.resize(transferred);
+        std::uint32_t k = 0;
         for (std::size_t i = 0; i < slots.size(); ++i) {
-            l.offsets[i] = in.get<std::uint64_t>();
-            if (l.offsets[i] > l.used || slots[i].bytes > l.used - l.offsets[i])
+            if (slots[i].in_frame) continue;
+            const std::uint64_t offset = l.offsets[k++] = in.get<std::uint64_t>();
+            if (offset > l.used || slots[i].bytes > l.used - offset)
                 in.fail("payload slot " + std::to_string(i + 1) + " lies outside the segment");
-            if (l.offsets[i] % storage_alignment != 0) in.fail("misaligned payload slot in the segment");
+            if (offset % storage_alignment != 0) in.fail("misaligned payload slot in the segment");
         }
         return l;
     }
@@ -65,11 +69,12 @@ struct segment_layout {
 inline std::optional<segment_layout> place_payload(same_host_state& state, const send_plan& plan,
                                                    std::uint64_t sequence, bool with_checksums) {
     const auto& slots = plan.slots();
-    if (slots.empty()) return std::nullopt;
+    if (transferred_slot_count(slots) == 0) return std::nullopt;  // all in the frame, or nothing
     state.collect_releases();
     segment_layout layout;
     std::uint64_t end = 0;
     for (const auto& s : slots) {
+        if (s.in_frame) continue;
         end = (end + segment_slot_alignment - 1) / segment_slot_alignment * segment_slot_alignment;
         layout.offsets.push_back(end);
         end += s.bytes;
@@ -83,9 +88,12 @@ inline std::optional<segment_layout> place_payload(same_host_state& state, const
     const auto lease = pool.acquire(end, holders, why_not);
     if (!lease) return std::nullopt;
     try {
+        std::uint32_t k = 0;
         for (std::uint32_t i = 0; i < slots.size(); ++i) {
-            plan.pack_slot(i, lease.data + layout.offsets[i]);
-            if (with_checksums) layout.checksums.push_back(checksum64(lease.data + layout.offsets[i], slots[i].bytes));
+            if (slots[i].in_frame) continue;
+            std::uint8_t* out = lease.data + layout.offsets[k++];
+            plan.pack_slot(i, out);
+            if (with_checksums) layout.checksums.push_back(checksum64(out, slots[i].bytes));
         }
     } catch (...) {
         for (int h = 0; h < holders; ++h) pool.release(lease.id);
@@ -150,7 +158,8 @@ segment_delivery take_segment(collective<Group>& c, same_host_state* state) {
     return d;
 }
 
-// Maps the delivered segment and returns one uint8 tensor per slot over the mapping; the
+// Maps the delivered segment and returns one uint8 tensor per transferred slot over the
+// mapping (undefined for the slots in the frame); the
 // descriptor is closed before returning. Throws errc::corrupt_frame for a segment that does
 // not match the frame.
 template <class Group>
@@ -179,13 +188,14 @@ std::vector<at::Tensor> map_segment(collective<Group>& c, segment_delivery& d, c
     mapping->link = d.link;
     d.reported = true;  // the mapping reports it when the last storage over it goes
     d.fd.reset();
-    std::vector<at::Tensor> out;
-    out.reserve(slots.size());
+    std::vector<at::Tensor> out(slots.size());  // undefined for the slots in the frame
+    std::uint32_t k = 0;
     for (std::size_t i = 0; i < slots.size(); ++i) {
+        if (slots[i].in_frame) continue;
         auto* keep = new std::shared_ptr<shm_mapping>(mapping);
-        out.push_back(byte_tensor_on(static_cast<std::uint8_t*>(mapping->data) + layout.offsets[i],
-                                     static_cast<std::size_t>(slots[i].bytes), keep,
-                                     [](void* k) { delete static_cast<std::shared_ptr<shm_mapping>*>(k); }));
+        out[i] = byte_tensor_on(static_cast<std::uint8_t*>(mapping->data) + layout.offsets[k++],
+                                static_cast<std::size_t>(slots[i].bytes), keep,
+                                [](void* p) { delete static_cast<std::shared_ptr<shm_mapping>*>(p); });
     }
     return out;
 }

@@ -1,4 +1,5 @@
-// The root's side of a broadcast: encode, plan, send the frame, then the payload slots.
+// The root's side of a broadcast: encode, plan, send the frame, the payload slots and the
+// status trailer.
 #pragma once
 
 #include "../error.hpp"
@@ -45,8 +46,12 @@ void send_frame(collective<Group>& c, frame_header header, const std::vector<std
     }
 }
 
-// `same_host`: the (group, root) chose the same-host path; the payload then goes into a shared
-// segment before the frame is sent, and no payload collective follows.
+template <class Group>
+void send_payload(collective<Group>& c, const send_plan& plan, const frame_header& header,
+                  const segment_layout* layout);
+
+// `same_host`: the (group, root) chose the same-host path; the transferred slots then go into a
+// shared segment before the frame is sent, and only the status trailer follows the frame.
 template <class T, class Group>
 void send(collective<Group>& c, const T& value, same_host_state* same_host = nullptr) {
     const options& opts = c.opts();
@@ -58,13 +63,17 @@ void send(collective<Group>& c, const T& value, same_host_state* same_host = nul
     try {
         enc.value(value);
         plan.finish(opts);
-        if (same_host) layout = place_payload(*same_host, plan, c.sequence(), opts.checksum);
+        if (same_host) {
+            plan.keep_frame_within(inline_body_bytes / 2);
+            layout = place_payload(*same_host, plan, c.sequence(), opts.checksum);
+        }
         plan.write_slot_table(body);
         if (layout) layout->write(body);
         body.put_string(schema_of<T>);
         body.put<std::uint64_t>(values.size());
         body.put_bytes(values.bytes().data(), values.size());
         plan.write_tensor_tables(body);
+        plan.write_frame_payload(body);
         if (body.size() > opts.limits.max_frame_bytes)
             throw error(errc::limit_exceeded,
                         "the metadata frame of " + std::to_string(body.size()) +
@@ -95,27 +104,79 @@ void send(collective<Group>& c, const T& value, same_host_state* same_host = nul
     frame_header header;
     header.fingerprint = fingerprint_of<T>;
     header.payload_bytes = plan.payload_bytes();
-    header.slot_count = static_cast<std::uint32_t>(plan.slots().size());
+    header.slot_count = transferred_slot_count(plan.slots());
     header.flags = (opts.checksum ? checksum_trailer : 0) | (layout ? shared_segment : 0);
     send_frame(c, header, body.bytes());
+    send_payload(c, plan, header, layout ? &*layout : nullptr);
+}
 
+// Sends every announced slot and the status trailer. Packing a bucket can still fail here (an
+// allocation, a copy); the remaining slots then go out as zeros and the trailer carries the
+// error, so followers finish the sequence the header announced and raise the root's message at
+// once, and the group stays in step.
+template <class Group>
+void send_payload(collective<Group>& c, const send_plan& plan, const frame_header& header,
+                  const segment_layout* layout) {
+    const auto& slots = plan.slots();
+    if (!has_trailer(header.slot_count)) {
+        c.wait_all();
+        return;
+    }
+    const bool with_checksums = header.flags & checksum_trailer;
     std::vector<std::uint64_t> checksums;
-    if (layout) {
-        checksums = layout->checksums;
-    } else {
-        for (std::uint32_t i = 0; i < plan.slots().size(); ++i) {
-            at::Tensor slot = plan.slot_tensor(i);
-            if (opts.checksum) checksums.push_back(checksum64(slot.data_ptr(), slot.numel()));
-            c.launch(std::move(slot), "payload slot " + std::to_string(i + 1) + "/" +
-                                          std::to_string(plan.slots().size()));
+    std::string failure;
+    errc failure_code = errc::unsupported_value;
+    at::Tensor zeros;  // stands in for the slots after a failure
+    std::uint32_t sent = 0;
+    if (layout) checksums = layout->checksums;  // the slots are in the segment, packed already
+    for (std::uint32_t i = 0; i < slots.size() && !layout; ++i) {
+        if (slots[i].in_frame) continue;
+        const std::string phase = "payload slot " + std::to_string(++sent) + "/" + std::to_string(header.slot_count);
+        at::Tensor slot;
+        if (failure.empty()) {
+            try {
+                slot = plan.slot_tensor(i);
+            } catch (const std::exception& e) {
+                failure = "packing " + phase + " failed: " + exception_text(e);
+                if (const auto* own = dynamic_cast<const spbcast::error*>(&e)) failure_code = own->code();
+            }
         }
+        if (!failure.empty()) {
+            const auto bytes = static_cast<std::int64_t>(slots[i].bytes);
+            try {
+                if (!zeros.defined() || zeros.numel() < bytes) zeros = at::zeros({bytes}, at::kByte);
+            } catch (const std::exception& e) {
+                c.break_group(errc::transport,
+                              c.where() + ": " + failure + ", and the rest of the announced payload "
+                                  "cannot be sent either (" + exception_text(e) +
+                                  "); the group is out of step - restart the job",
+                              phase);
+            }
+            slot = zeros.narrow(0, 0, bytes);
+        }
+        if (with_checksums) checksums.push_back(checksum64(slot.data_ptr(), slot.numel()));
+        c.launch(std::move(slot), phase);
     }
-    if (opts.checksum) {
-        at::Tensor trailer = at::empty({static_cast<std::int64_t>(8 * checksums.size())}, at::kByte);
-        if (!checksums.empty()) std::memcpy(trailer.data_ptr(), checksums.data(), 8 * checksums.size());
-        c.launch(trailer, "checksums");
+    at::Tensor trailer = at::zeros({static_cast<std::int64_t>(trailer_bytes(header.slot_count, header.flags))}, at::kByte);
+    auto* out = trailer.data_ptr<std::uint8_t>();
+    trailer_head head;
+    const std::string message = c.where() + ": " + failure;
+    if (!failure.empty()) {
+        head.status = static_cast<std::uint32_t>(frame_status::error);
+        head.message_bytes = static_cast<std::uint32_t>(std::min(message.size(), trailer_message_bytes));
     }
+    std::memcpy(out, &head, sizeof head);
+    out += sizeof head;
+    if (with_checksums) {
+        std::memcpy(out, checksums.data(), 8 * checksums.size());
+        out += 8 * checksums.size();
+    }
+    std::memcpy(out, message.data(), head.message_bytes);
+    head.checksum = checksum64(trailer.data_ptr(), static_cast<std::size_t>(trailer.numel()));
+    std::memcpy(trailer.data_ptr(), &head, sizeof head);
+    c.launch(trailer, "status trailer");
     c.wait_all();
+    if (!failure.empty()) throw error(failure_code, message);
 }
 
 }  // namespace spbcast::detail

@@ -16,6 +16,8 @@
 #include "../error.hpp"
 #include "../options.hpp"
 #include "collective.hpp"
+#include "frame.hpp"
+#include "group_state.hpp"
 #include "shm_pool.hpp"
 #include "shm_segment.hpp"
 
@@ -402,17 +404,62 @@ inline std::string random_nonce() {
     return out;
 }
 
+// The root's offer travels as a frame (status same_host_offer) of the usual fixed size: a
+// follower may still be receiving keep-alive frames the root sent while it produced its batch
+// (keep_alive.hpp), and takes the offer after them as it would take a frame.
+inline at::Tensor offer_frame(const handshake_offer& offer, std::uint64_t sequence, int root) {
+    at::Tensor first = at::zeros({static_cast<std::int64_t>(inline_frame_bytes)}, at::kByte);
+    frame_header header;
+    header.status = static_cast<std::uint16_t>(frame_status::same_host_offer);
+    header.body_bytes = sizeof offer;
+    header.body_checksum = checksum64(&offer, sizeof offer);
+    header.sequence = sequence;
+    header.root = static_cast<std::uint32_t>(root);
+    header.header_checksum = header.compute_checksum();
+    std::memcpy(first.data_ptr<std::uint8_t>(), &header, sizeof header);
+    std::memcpy(first.data_ptr<std::uint8_t>() + sizeof header, &offer, sizeof offer);
+    return first;
+}
+
 template <class Group>
-std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options& opts, std::uint64_t sequence) {
+handshake_offer receive_offer(collective<Group>& c) {
+    at::Tensor first = at::empty({static_cast<std::int64_t>(inline_frame_bytes)}, at::kByte);
+    const auto* in = first.data_ptr<std::uint8_t>();
+    frame_header header;
+    for (;;) {
+        c.run(first, "same-host handshake: the root's offer", c.opts().root_wait_or_timeout());
+        std::memcpy(&header, in, sizeof header);
+        const bool valid = header.magic == frame_magic && header.header_checksum == header.compute_checksum();
+        if (valid && header.status == static_cast<std::uint16_t>(frame_status::keep_alive) && header.body_bytes == 0)
+            continue;
+        handshake_offer offer;
+        if (valid && header.status == static_cast<std::uint16_t>(frame_status::same_host_offer) &&
+            header.body_bytes == sizeof offer) {
+            std::memcpy(&offer, in + sizeof header, sizeof offer);
+            if (checksum64(&offer, sizeof offer) == header.body_checksum) return offer;
+        }
+        // The root sent something else: it does not run this handshake now (other options, or
+        // another spbcast), and this rank cannot tell what follows.
+        c.break_group(errc::out_of_step,
+                      c.where() + ": expected the root's same-host handshake but received " +
+                          (valid ? "a frame with status " + std::to_string(header.status) : std::string("a damaged message")) +
+                          "; pass the same options.transport on every rank and build every rank from the same "
+                          "spbcast release - restart the job",
+                      "same-host handshake: the root's offer");
+    }
+}
+
+template <class Group>
+std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options& opts, group_state& gstate,
+                                                     std::uint64_t sequence) {
     const int rank = group.getRank(), size = group.getSize(), root = opts.root;
     auto state = std::make_shared<same_host_state>();
     const host_identity me = host_identity::of_this_process();
 
     // 1. The root's offer.
-    at::Tensor offer_bytes = at::zeros({static_cast<std::int64_t>(sizeof(handshake_offer))}, at::kByte);
     unique_fd listener;
+    handshake_offer offer;
     if (rank == root) {
-        handshake_offer offer;
         offer.host = me;
         std::string why = me.known() ? probe_segments() : "cannot read this host's identity";
         const std::string name = "spbcast-" + random_nonce() + "-" + std::to_string(::getpid());
@@ -427,15 +474,16 @@ std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options
         offer.root_ok = why.empty() ? 1 : 0;
         std::strncpy(offer.name, name.c_str(), sizeof offer.name - 1);
         std::strncpy(offer.why_not, why.c_str(), sizeof offer.why_not - 1);
-        std::memcpy(offer_bytes.data_ptr(), &offer, sizeof offer);
     }
     options o = opts;
     {
-        collective<Group> c(group, o, sequence);
-        c.run(offer_bytes, "same-host handshake: the root's offer");
+        collective<Group> c(group, o, gstate, sequence);
+        if (rank == root)
+            c.run(offer_frame(offer, sequence, root), "same-host handshake: the root's offer");
+        else
+            offer = receive_offer(c);
     }
-    handshake_offer offer;
-    std::memcpy(&offer, offer_bytes.data_ptr(), sizeof offer);
+
     std::vector<std::string> reasons;
     if (offer.magic != shm_message_magic || !offer.root_ok)
         reasons.push_back("root (rank " + std::to_string(root) + "): " +
@@ -474,7 +522,7 @@ std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options
             std::memcpy(p + 1, my_why.data(), std::min<std::size_t>(my_why.size(), 126));
         }
         o.root = r;
-        collective<Group> c(group, o, sequence);
+        collective<Group> c(group, o, gstate, sequence);
         c.run(flag, "same-host handshake: rank " + std::to_string(r) + "'s answer");
         const auto* p = flag.data_ptr<std::uint8_t>();
         if (p[0] != 1 && offer.root_ok)
@@ -522,7 +570,7 @@ std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options
     listener.reset();  // the name disappears; nobody else can connect
     o.root = root;
     {
-        collective<Group> c(group, o, sequence);
+        collective<Group> c(group, o, gstate, sequence);
         c.run(confirm, "same-host handshake: the root's decision");
     }
     state->shared = confirm.data_ptr<std::uint8_t>()[0] == 1;

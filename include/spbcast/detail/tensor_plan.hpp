@@ -55,13 +55,29 @@ struct storage_meta {
     std::uint64_t slot_offset = 0;
     std::uint64_t wire_bytes = 0;
     std::vector<std::uint32_t> tensors;  // referencing tensors, in table order (not sent)
+    bool copied_out = false;  // follower: copied out of its bucket on arrival (not sent)
 };
+
+// Where a transfer slot travels. A batch's small buckets ride in the frame body itself (up to
+// frame_payload_max_bytes together): a small batch then costs one or two collectives, with
+// nothing after the header that could fail.
+enum class slot_mode : std::uint8_t { bucket = 0, in_place = 1, in_frame = 2 };
+inline constexpr std::uint64_t frame_payload_max_bytes = std::uint64_t{1} << 20;
 
 struct slot_meta {
     bool in_place = false;
     std::uint64_t bytes = 0;
     std::vector<std::uint32_t> storages;  // in storage order (not sent)
+    bool in_frame = false;                // its bytes follow the tables in the frame body
+    std::size_t frame_offset = 0;         // follower: where in the body (not sent)
+
+    slot_mode mode() const { return in_place ? slot_mode::in_place : in_frame ? slot_mode::in_frame : slot_mode::bucket; }
 };
+
+// Slots that travel as collectives of their own, in slot order.
+inline std::uint32_t transferred_slot_count(const std::vector<slot_meta>& slots) {
+    return static_cast<std::uint32_t>(std::count_if(slots.begin(), slots.end(), [](const slot_meta& s) { return !s.in_frame; }));
+}
 
 // Sizes with every stride-0 dimension narrowed to one element: what a view of an expanded
 // tensor really holds. Used for gathering, so an expand costs its source, not its expansion.
@@ -105,7 +121,7 @@ inline at::Tensor raw_bits_view(const c10::Storage& storage, c10::ScalarType dty
 inline void write_slots(byte_writer& out, const std::vector<slot_meta>& slots) {
     out.put<std::uint32_t>(static_cast<std::uint32_t>(slots.size()));
     for (const slot_meta& s : slots) {
-        out.put<std::uint8_t>(s.in_place ? 1 : 0);
+        out.put<std::uint8_t>(static_cast<std::uint8_t>(s.mode()));
         out.put<std::uint64_t>(s.bytes);
     }
 }
@@ -115,7 +131,10 @@ inline std::vector<slot_meta> read_slots(byte_reader& in) {
     if (count > in.remaining() / 9) in.fail("slot count " + std::to_string(count) + " exceeds the frame");
     std::vector<slot_meta> slots(count);
     for (slot_meta& s : slots) {
-        s.in_place = in.get<std::uint8_t>() != 0;
+        const auto mode = in.get<std::uint8_t>();
+        if (mode > static_cast<std::uint8_t>(slot_mode::in_frame)) in.fail("unknown slot mode " + std::to_string(mode));
+        s.in_place = mode == static_cast<std::uint8_t>(slot_mode::in_place);
+        s.in_frame = mode == static_cast<std::uint8_t>(slot_mode::in_frame);
         s.bytes = in.get<std::uint64_t>();
     }
     return slots;
@@ -250,6 +269,34 @@ public:
                             " tensor bytes, more than limits.max_payload_bytes = " +
                             std::to_string(opts.limits.max_payload_bytes) +
                             "; raise it on every rank or send a smaller batch");
+        // All of a batch's buckets ride in the frame, or none.
+        const std::uint64_t frame_budget = std::min<std::uint64_t>(frame_payload_max_bytes, opts.limits.max_frame_bytes / 2);
+        std::uint64_t bucket_total = 0;
+        for (const slot_meta& slot : slots_)
+            if (!slot.in_place) bucket_total += slot.bytes;
+        if (bucket_total <= frame_budget)
+            for (slot_meta& slot : slots_) slot.in_frame = !slot.in_place;
+    }
+
+    // The same-host path: buckets ride in the frame only while they fit `budget` (the frame then
+    // stays one message); larger ones go into the shared segment, which costs no copy through a
+    // socket per follower.
+    void keep_frame_within(std::uint64_t budget) {
+        std::uint64_t in_frame = 0;
+        for (const slot_meta& slot : slots_)
+            if (slot.in_frame) in_frame += slot.bytes;
+        if (in_frame > budget)
+            for (slot_meta& slot : slots_) slot.in_frame = false;
+    }
+
+    // The bytes of the slots that travel in the frame, after the tables. Packed before the
+    // header is sent, so a failure here is an error frame.
+    void write_frame_payload(byte_writer& out) const {
+        for (std::uint32_t i = 0; i < slots_.size(); ++i)
+            if (slots_[i].in_frame) {
+                const at::Tensor bytes = slot_tensor(i);
+                out.put_bytes(bytes.data_ptr<std::uint8_t>(), static_cast<std::size_t>(bytes.numel()));
+            }
     }
 
     void write_tensor_tables(byte_writer& out) const {
@@ -400,9 +447,11 @@ public:
     // vectors, whose lengths are checked against the limits and the frame size first.
     void read_tensor_tables(byte_reader& in, const limits& lim) {
         const auto tensor_count = in.get<std::uint32_t>();
-        if (tensor_count > lim.max_tensors || tensor_count > in.remaining() / 16)
-            in.fail("tensor count " + std::to_string(tensor_count) +
-                    " exceeds limits.max_tensors or the frame");
+        if (tensor_count > lim.max_tensors)
+            in.fail_limit(std::to_string(tensor_count) + " tensors exceed limits.max_tensors = " +
+                          std::to_string(lim.max_tensors) + "; use the same limits on every rank");
+        if (tensor_count > in.remaining() / 16)
+            in.fail("tensor count " + std::to_string(tensor_count) + " exceeds the frame");
         tensors_.resize(tensor_count);
         for (tensor_meta& t : tensors_) {
             const auto code = in.get<std::uint8_t>();
@@ -420,7 +469,9 @@ public:
                 in.fail("tensor flags " + std::to_string(t.flags) + " are invalid for dtype " +
                         c10::toString(t.dtype));
             const auto dim = in.get<std::uint8_t>();
-            if (dim > lim.max_dims) in.fail("tensor with " + std::to_string(dim) + " dimensions");
+            if (dim > lim.max_dims)
+                in.fail_limit("a tensor with " + std::to_string(dim) + " dimensions exceeds limits.max_dims = " +
+                              std::to_string(lim.max_dims) + "; use the same limits on every rank");
             t.storage = in.get<std::uint32_t>();
             t.offset = in.get<std::int64_t>();
             t.sizes.resize(dim);
@@ -442,50 +493,74 @@ public:
         if (slots_.size() > storage_count)
             in.fail("more transfer slots (" + std::to_string(slots_.size()) + ") than storages");
         validate(in, lim);
+        for (slot_meta& slot : slots_) {
+            if (!slot.in_frame) continue;
+            if (slot.in_place) in.fail("an in-place slot in the frame");
+            slot.frame_offset = in.offset();
+            in.get_bytes(static_cast<std::size_t>(slot.bytes));
+        }
     }
 
     // Allocates every storage and bucket. Called only once the frame has been validated. A
-    // storage sent as a span in a bucket is a part of that bucket: received in place, never
-    // copied; gathered storages get memory of their own and are scattered into on arrival.
+    // storage sent as a span that fills at least a quarter of its bucket stays a part of that
+    // bucket (received in place, never copied); a smaller one is copied out on arrival, so a
+    // small tensor a caller keeps alive pins memory in proportion to itself, not a bucket.
+    // Gathered storages get memory of their own and are scattered into on arrival.
     void allocate() {
         auto& memory = receive_memory::instance();
-        memory.begin_batch();
+        // Only batches that use the cache advance its clock: a small broadcast between two big
+        // ones (a loader's envelope, metrics) must not evict the blocks the next big one reuses.
+        const bool uses_cache = std::any_of(slots_.begin(), slots_.end(), [](const slot_meta& slot) {
+            return slot.bytes >= receive_memory::min_cached_bytes;
+        });
+        if (uses_cache) memory.begin_batch();
         storage_data_.assign(storages_.size(), at::Tensor());
         bucket_data_.assign(slots_.size(), at::Tensor());
         for (std::uint32_t i = 0; i < slots_.size(); ++i) {
             const slot_meta& slot = slots_[i];
             if (slot.in_place) continue;
             bucket_data_[i] = memory.allocate(slot.bytes);
-            for (std::uint32_t s : slot.storages)
-                if (!storages_[s].gather)
-                    storage_data_[s] = storage_within(bucket_data_[i], storages_[s].slot_offset,
-                                                      storages_[s].nbytes);
+            for (std::uint32_t s : slot.storages) {
+                storage_meta& storage = storages_[s];
+                if (storage.gather) continue;
+                storage.copied_out = storage.nbytes < slot.bytes / 4;
+                if (!storage.copied_out)
+                    storage_data_[s] = storage_within(bucket_data_[i], storage.slot_offset, storage.nbytes);
+            }
         }
         for (std::uint32_t s = 0; s < storages_.size(); ++s)
             if (!storage_data_[s].defined()) storage_data_[s] = memory.allocate(storages_[s].nbytes);
     }
 
-    // The same-host path: slot `i` already lies in `slot_data[i]` (a mapping of the root's
-    // segment). In-place storages and spans in a bucket are those bytes, with no copy; only
-    // gathered storages get memory of their own and are scattered into.
+    // The same-host path: transferred slot `i` already lies in `slot_data[i]` (a mapping of the
+    // root's segment). In-place storages and large spans in a bucket are those bytes, with no
+    // copy; small spans are copied out (as allocate() does, so a small tensor kept alive pins
+    // no segment), gathered storages get memory of their own. Slots in the frame get buckets
+    // of their own, filled from the body like on the network path.
     void adopt_slots(std::vector<at::Tensor> slot_data) {
         auto& memory = receive_memory::instance();
         storage_data_.assign(storages_.size(), at::Tensor());
         bucket_data_ = std::move(slot_data);
+        bucket_data_.resize(slots_.size());
         for (std::uint32_t i = 0; i < slots_.size(); ++i) {
             const slot_meta& slot = slots_[i];
+            if (slot.in_frame) bucket_data_[i] = memory.allocate(slot.bytes);
             if (slot.in_place) {
                 storage_data_[slot.storages.front()] = bucket_data_[i];
                 continue;
             }
-            for (std::uint32_t s : slot.storages)
-                if (!storages_[s].gather)
-                    storage_data_[s] = storage_within(bucket_data_[i], storages_[s].slot_offset,
-                                                      storages_[s].nbytes);
+            for (std::uint32_t s : slot.storages) {
+                storage_meta& storage = storages_[s];
+                if (storage.gather) continue;
+                storage.copied_out = storage.nbytes < slot.bytes / 4;
+                if (!storage.copied_out)
+                    storage_data_[s] = storage_within(bucket_data_[i], storage.slot_offset, storage.nbytes);
+            }
         }
         for (std::uint32_t s = 0; s < storages_.size(); ++s)
             if (!storage_data_[s].defined()) storage_data_[s] = memory.allocate(storages_[s].nbytes);
-        for (std::uint32_t i = 0; i < slots_.size(); ++i) unpack_slot(i);
+        for (std::uint32_t i = 0; i < slots_.size(); ++i)
+            if (!slots_[i].in_frame) unpack_slot(i);
     }
 
     // Where slot `i` is received: straight into its storage when in place, else its bucket.
@@ -502,6 +577,8 @@ public:
         const auto* in = bucket_data_[i].data_ptr<std::uint8_t>();
         for (std::uint32_t s : slot.storages) {
             const storage_meta& storage = storages_[s];
+            if (storage.copied_out && storage.nbytes != 0)
+                std::memcpy(storage_data_[s].data_ptr(), in + storage.slot_offset, storage.nbytes);
             if (!storage.gather) continue;
             for_each_gathered_view(storage, tensors_, [&](const tensor_meta& meta, auto sizes,
                                                           std::uint64_t offset) {
@@ -538,8 +615,8 @@ private:
         for (std::uint32_t s = 0; s < storages_.size(); ++s) {
             storage_meta& storage = storages_[s];
             if (storage.nbytes > lim.max_payload_bytes - std::min(total, lim.max_payload_bytes))
-                in.fail("storages exceed limits.max_payload_bytes = " +
-                        std::to_string(lim.max_payload_bytes));
+                in.fail_limit("storages exceed limits.max_payload_bytes = " +
+                              std::to_string(lim.max_payload_bytes) + "; use the same limits on every rank");
             total += storage.nbytes;
             if (storage.slot == no_slot) {
                 if (storage.wire_bytes != 0) in.fail("a storage with bytes but no slot");
@@ -562,7 +639,9 @@ private:
             slot_total += slot.bytes;
             if (slot.storages.empty()) in.fail("a transfer slot that no storage uses");
         }
-        if (slot_total > lim.max_payload_bytes) in.fail("payload exceeds limits.max_payload_bytes");
+        if (slot_total > lim.max_payload_bytes)
+            in.fail_limit("the payload exceeds limits.max_payload_bytes = " +
+                          std::to_string(lim.max_payload_bytes) + "; use the same limits on every rank");
 
         std::vector<std::uint64_t> gathered(storages_.size(), 0);
         for (std::uint32_t t = 0; t < tensors_.size(); ++t) {

@@ -63,34 +63,101 @@ template <class E, class A>
 inline constexpr bool is_bulk_vector<std::vector<E, A>> =
     (kind_v<E> == kind::integer || kind_v<E> == kind::floating) && !std::is_same_v<E, bool>;
 
+// std::unordered_map / unordered_set iterate in an order that depends on their bucket count and
+// insertion history. Code that builds model inputs by iterating one must see the root's order
+// on every rank, so the root sends its bucket count and load factor with the elements in its
+// iteration order, and a follower rebuilds with the same buckets, inserting in reverse: each
+// insertion lands at the front of its bucket or of the list, which reproduces the order. The
+// follower checks the result and refuses a container whose order it could not reproduce.
+template <class T>
+concept hashed_container = requires(T& c, const T& cc) {
+    { cc.bucket_count() } -> std::convertible_to<std::size_t>;
+    { cc.max_load_factor() } -> std::convertible_to<float>;
+    c.max_load_factor(1.0f);
+    c.rehash(std::size_t{1});
+};
+
 // IValue tags on the wire.
 enum class ivalue_tag : std::uint8_t {
     none = 0, tensor, integer, floating, boolean, string,
     int_list, double_list, bool_list, tensor_list, generic_list, generic_dict, tuple,
 };
-// Element and key types of generic lists and dicts; anything else travels as Any.
-enum class ivalue_type : std::uint8_t { any = 0, tensor, integer, floating, boolean, string };
+// The static type of a generic list's elements and of a dict's keys and values travels whole
+// (a tree of these codes), so Dict(str, int[]) stays Dict(str, int[]) and Tensor?[] stays
+// Tensor?[] on every rank: code that calls to<c10::Dict<...>>() works on followers too.
+enum class ivalue_type : std::uint8_t {
+    any = 0, tensor, integer, floating, boolean, string,
+    none, list, dict, tuple, optional, number, complex,
+};
 
-inline ivalue_type ivalue_type_code(const c10::TypePtr& type) {
+// Writes `type`; false (nothing meaningful written) when it is a type the wire cannot carry.
+inline bool put_ivalue_type(byte_writer& out, const c10::TypePtr& type, std::size_t depth, std::size_t max_depth) {
+    if (depth > max_depth) return false;
+    auto code = [&](ivalue_type t) { out.put<std::uint8_t>(static_cast<std::uint8_t>(t)); };
     switch (type->kind()) {
-        case c10::TypeKind::TensorType: return ivalue_type::tensor;
-        case c10::TypeKind::IntType: return ivalue_type::integer;
-        case c10::TypeKind::FloatType: return ivalue_type::floating;
-        case c10::TypeKind::BoolType: return ivalue_type::boolean;
-        case c10::TypeKind::StringType: return ivalue_type::string;
-        default: return ivalue_type::any;
+        case c10::TypeKind::AnyType: code(ivalue_type::any); return true;
+        case c10::TypeKind::TensorType: code(ivalue_type::tensor); return true;
+        case c10::TypeKind::IntType: code(ivalue_type::integer); return true;
+        case c10::TypeKind::FloatType: code(ivalue_type::floating); return true;
+        case c10::TypeKind::BoolType: code(ivalue_type::boolean); return true;
+        case c10::TypeKind::StringType: code(ivalue_type::string); return true;
+        case c10::TypeKind::NoneType: code(ivalue_type::none); return true;
+        case c10::TypeKind::NumberType: code(ivalue_type::number); return true;
+        case c10::TypeKind::ComplexType: code(ivalue_type::complex); return true;
+        case c10::TypeKind::ListType:
+            code(ivalue_type::list);
+            return put_ivalue_type(out, type->expectRef<c10::ListType>().getElementType(), depth + 1, max_depth);
+        case c10::TypeKind::OptionalType:
+            code(ivalue_type::optional);
+            return put_ivalue_type(out, type->expectRef<c10::OptionalType>().getElementType(), depth + 1, max_depth);
+        case c10::TypeKind::DictType: {
+            code(ivalue_type::dict);
+            const auto& dict = type->expectRef<c10::DictType>();
+            return put_ivalue_type(out, dict.getKeyType(), depth + 1, max_depth) &&
+                   put_ivalue_type(out, dict.getValueType(), depth + 1, max_depth);
+        }
+        case c10::TypeKind::TupleType: {
+            const auto& tuple = type->expectRef<c10::TupleType>();
+            if (tuple.schema()) return false;  // a NamedTuple: its names would be lost
+            code(ivalue_type::tuple);
+            out.put<std::uint32_t>(static_cast<std::uint32_t>(tuple.elements().size()));
+            for (const auto& element : tuple.elements())
+                if (!put_ivalue_type(out, element, depth + 1, max_depth)) return false;
+            return true;
+        }
+        default: return false;
     }
 }
 
-inline c10::TypePtr ivalue_type_from_code(ivalue_type code) {
-    switch (code) {
+inline c10::TypePtr get_ivalue_type(byte_reader& in, std::size_t depth, std::size_t max_depth) {
+    if (depth > max_depth) in.fail("IValue type nesting deeper than limits.max_depth");
+    const auto raw = in.get<std::uint8_t>();
+    switch (static_cast<ivalue_type>(raw)) {
+        case ivalue_type::any: return c10::AnyType::get();
         case ivalue_type::tensor: return c10::TensorType::get();
         case ivalue_type::integer: return c10::IntType::get();
         case ivalue_type::floating: return c10::FloatType::get();
         case ivalue_type::boolean: return c10::BoolType::get();
         case ivalue_type::string: return c10::StringType::get();
-        default: return c10::AnyType::get();
+        case ivalue_type::none: return c10::NoneType::get();
+        case ivalue_type::number: return c10::NumberType::get();
+        case ivalue_type::complex: return c10::ComplexType::get();
+        case ivalue_type::list: return c10::ListType::create(get_ivalue_type(in, depth + 1, max_depth));
+        case ivalue_type::optional: return c10::OptionalType::create(get_ivalue_type(in, depth + 1, max_depth));
+        case ivalue_type::dict: {
+            auto key = get_ivalue_type(in, depth + 1, max_depth);
+            auto value = get_ivalue_type(in, depth + 1, max_depth);
+            return c10::DictType::create(std::move(key), std::move(value));
+        }
+        case ivalue_type::tuple: {
+            const auto n = in.get<std::uint32_t>();
+            if (n > in.remaining()) in.fail("tuple type with " + std::to_string(n) + " elements exceeds the frame");
+            std::vector<c10::TypePtr> elements;
+            for (std::uint32_t i = 0; i < n; ++i) elements.push_back(get_ivalue_type(in, depth + 1, max_depth));
+            return c10::TupleType::create(std::move(elements));
+        }
     }
+    in.fail("unknown IValue type code " + std::to_string(raw));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -123,6 +190,7 @@ public:
             std::visit([&](const auto& alternative) { value(alternative); }, v);
         } else if constexpr (k == kind::array || k == kind::sequence || k == kind::set) {
             if constexpr (k != kind::array) count(v.size());
+            if constexpr (hashed_container<T>) buckets(v);
             if constexpr (is_bulk_vector<T>) {
                 out_.put_bytes(v.data(), v.size() * sizeof(typename T::value_type));
             } else {
@@ -135,6 +203,7 @@ public:
             }
         } else if constexpr (k == kind::map) {
             count(v.size());
+            if constexpr (hashed_container<T>) buckets(v);
             for (const auto& [key, mapped] : v) {
                 value(key);
                 path_.push_key(key_text(key));
@@ -156,6 +225,12 @@ public:
     field_path& path() { return path_; }
 
 private:
+    template <class C>
+    void buckets(const C& c) {
+        out_.put<std::uint64_t>(c.bucket_count());
+        out_.put<float>(c.max_load_factor());
+    }
+
     std::uint32_t tensor_index(const at::Tensor& t) {
         return plan_.add(t, limits_, [&] { return path_.str(); });
     }
@@ -234,7 +309,7 @@ private:
         } else if (v.isList()) {
             tag(ivalue_tag::generic_list);
             const auto list = v.toList();
-            out_.put<std::uint8_t>(static_cast<std::uint8_t>(ivalue_type_code(list.elementType())));
+            type(list.elementType());
             count(list.size());
             for (std::size_t i = 0; i < list.size(); ++i) {
                 path_.push_index(i);
@@ -244,8 +319,8 @@ private:
         } else if (v.isGenericDict()) {
             tag(ivalue_tag::generic_dict);
             const auto dict = v.toGenericDict();
-            out_.put<std::uint8_t>(static_cast<std::uint8_t>(ivalue_type_code(dict.keyType())));
-            out_.put<std::uint8_t>(static_cast<std::uint8_t>(ivalue_type_code(dict.valueType())));
+            type(dict.keyType());
+            type(dict.valueType());
             count(dict.size());
             for (const auto& entry : dict) {
                 ivalue(entry.key(), depth + 1);
@@ -271,6 +346,14 @@ private:
         }
     }
 
+    void type(const c10::TypePtr& t) {
+        if (!put_ivalue_type(out_, t, 0, limits_.max_depth))
+            fail(errc::unsupported_value,
+                 "a container typed " + t->annotation_str() +
+                     " cannot be sent (element types: Any, Tensor, int, float, bool, str, None, "
+                     "number, complex, and lists, dicts, tuples and optionals of these)");
+    }
+
     [[noreturn]] void fail(errc code, const std::string& what) {
         throw error(code, "cannot send " + path_.str() + ": " + what);
     }
@@ -292,11 +375,7 @@ public:
     void value(T& v) {
         constexpr kind k = kind_v<T>;
         if constexpr (k == kind::custom) {
-            static_assert(std::is_default_constructible_v<wire_type_t<T>>,
-                          "spbcast: a codec's wire type must be default-constructible");
-            wire_type_t<T> wire{};
-            value(wire);
-            v = codec<T>::from_wire(std::move(wire));
+            if constexpr (has_from_wire<T>) v = codec<T>::from_wire(make<wire_type_t<T>>());
         } else if constexpr (k == kind::tensor) {
             v = tensor(in_.get<std::uint32_t>());
         } else if constexpr (k == kind::ivalue) {
@@ -308,12 +387,10 @@ public:
         } else if constexpr (k == kind::string) {
             v = in_.get_string(limits_.max_string_bytes);
         } else if constexpr (k == kind::optional) {
-            if (boolean()) {
-                v.emplace();
-                value(*v);
-            } else {
+            if (boolean())
+                v = make<typename T::value_type>();
+            else
                 v.reset();
-            }
         } else if constexpr (k == kind::variant) {
             variant(v, in_.get<std::uint32_t>(),
                     std::make_index_sequence<std::variant_size_v<T>>{});
@@ -327,15 +404,20 @@ public:
                 v.resize(n);
                 const auto* bytes = in_.get_bytes(n * sizeof(E));
                 if (n != 0) std::memcpy(v.data(), bytes, n * sizeof(E));  // data() is null when empty
-            } else if constexpr (requires { v.resize(n); v[0]; } && !std::is_same_v<E, bool>) {
+            } else if constexpr (requires { v.resize(n); v[0]; } && !std::is_same_v<E, bool> &&
+                                 std::is_default_constructible_v<E>) {
                 v.resize(n);
                 for (std::size_t i = 0; i < n; ++i) element(v[i], i);
+            } else if constexpr (hashed_container<T>) {
+                const auto layout = buckets();
+                std::vector<E> elements;
+                elements.reserve(n);
+                for (std::size_t i = 0; i < n; ++i) elements.push_back(make_element<E>(i));
+                rebuild_in_order(v, elements, layout, [](const E& e) -> const E& { return e; });
             } else {
                 for (std::size_t i = 0; i < n; ++i) {
-                    E e{};
-                    element(e, i);
-                    if constexpr (k == kind::set) v.insert(std::move(e));
-                    else v.push_back(std::move(e));
+                    if constexpr (k == kind::set) v.insert(make_element<E>(i));
+                    else v.push_back(make_element<E>(i));
                 }
             }
         } else if constexpr (k == kind::map) {
@@ -343,14 +425,20 @@ public:
             using M = typename T::mapped_type;
             const auto n = count(min_wire_bytes<K>() + min_wire_bytes<M>());
             v.clear();
-            for (std::size_t i = 0; i < n; ++i) {
-                K key{};
-                value(key);
-                M mapped{};
-                path_.push_index(i);
-                value(mapped);
-                path_.pop();
-                v.emplace(std::move(key), std::move(mapped));
+            if constexpr (hashed_container<T>) {
+                const auto layout = buckets();
+                std::vector<std::pair<K, M>> entries;
+                entries.reserve(n);
+                for (std::size_t i = 0; i < n; ++i) {
+                    K key = make<K>();
+                    entries.emplace_back(std::move(key), make_element<M>(i));
+                }
+                rebuild_in_order(v, entries, layout, [](const auto& e) -> const K& { return e.first; });
+            } else {
+                for (std::size_t i = 0; i < n; ++i) {
+                    K key = make<K>();
+                    v.emplace(std::move(key), make_element<M>(i));
+                }
             }
         } else if constexpr (k == kind::tuple) {
             std::apply([&](auto&... elements) { (value(elements), ...); }, v);
@@ -364,7 +452,83 @@ public:
         }
     }
 
+    // A new T from the stream. Types without a default constructor are built from their parts:
+    // a codec's type from its wire value, a tuple or an aggregate from its fields in order
+    // (a braced initializer evaluates its elements left to right, the wire's order).
+    template <class T>
+    T make() {
+        constexpr kind k = kind_v<T>;
+        if constexpr (std::is_default_constructible_v<T>) {
+            T v{};
+            value(v);
+            return v;
+        } else if constexpr (k == kind::custom) {
+            return codec<T>::from_wire(make<wire_type_t<T>>());
+        } else if constexpr (k == kind::tuple) {
+            return [&]<std::size_t... I>(std::index_sequence<I...>) {
+                return T{make<std::tuple_element_t<I, T>>()...};
+            }(std::make_index_sequence<std::tuple_size_v<T>>{});
+        } else if constexpr (k == kind::hana_struct || k == kind::aggregate) {
+            return [&]<std::size_t... I>(std::index_sequence<I...>) {
+                return T{make_field<T, I>()...};
+            }(std::make_index_sequence<field_count<T>()>{});
+        } else {
+            static_assert(std::is_default_constructible_v<T>,
+                          "spbcast: followers must be able to build this type: give it a default "
+                          "constructor or send it through spbcast::codec<T>");
+        }
+    }
+
 private:
+    template <class T, std::size_t I>
+    field_type_t<T, I> make_field() {
+        path_.push_field(field_name<T, I>(), I);
+        field_type_t<T, I> f = make<field_type_t<T, I>>();
+        path_.pop();
+        return f;
+    }
+
+    template <class E>
+    E make_element(std::size_t i) {
+        path_.push_index(i);
+        E e = make<E>();
+        path_.pop();
+        return e;
+    }
+
+    struct bucket_layout {
+        std::uint64_t count;
+        float max_load_factor;
+    };
+    bucket_layout buckets() {
+        bucket_layout layout{in_.get<std::uint64_t>(), in_.get<float>()};
+        // A bucket array costs a pointer per bucket: bound it like the elements.
+        if (layout.count > limits_.max_container_size + 1 || !(layout.max_load_factor > 0.0f))
+            fail("a hashed container with " + std::to_string(layout.count) + " buckets");
+        return layout;
+    }
+
+    // Rebuilds a hashed container so that it iterates in `in_order` (the root's order).
+    template <class C, class Entries, class KeyOf>
+    void rebuild_in_order(C& c, Entries& in_order, const bucket_layout& layout, KeyOf key_of) {
+        std::vector<typename C::key_type> keys;  // keys are strings or scalars: cheap to keep
+        keys.reserve(in_order.size());
+        for (const auto& e : in_order) keys.push_back(key_of(e));
+        C rebuilt;  // fresh: the caller's old contents may have grown its bucket array
+        rebuilt.max_load_factor(layout.max_load_factor);
+        rebuilt.rehash(static_cast<std::size_t>(layout.count));
+        for (auto it = in_order.rbegin(); it != in_order.rend(); ++it) rebuilt.insert(std::move(*it));
+        bool same = rebuilt.size() == keys.size();
+        auto expected = keys.begin();
+        for (auto it = rebuilt.begin(); same && it != rebuilt.end(); ++it, ++expected)
+            same = rebuilt.key_eq()(key_of(*it), *expected);
+        c = std::move(rebuilt);
+        if (!same)
+            fail("this standard library cannot rebuild the hashed container in the root's "
+                 "iteration order (duplicate keys, or another hash function or library than the "
+                 "root's); use std::map or a vector of pairs");
+    }
+
     template <class E>
     void element(E& e, std::size_t i) {
         path_.push_index(i);
@@ -392,7 +556,7 @@ private:
     void variant(V& v, std::uint32_t index, std::index_sequence<I...>) {
         if (index >= sizeof...(I)) fail("variant alternative " + std::to_string(index) + " out of range");
         // Emplace the announced alternative, then decode into it.
-        (void)((index == I ? (v.template emplace<I>(), value(std::get<I>(v)), true) : false) || ...);
+        (void)((index == I ? (v.template emplace<I>(make<std::variant_alternative_t<I, V>>()), true) : false) || ...);
     }
 
     c10::IValue ivalue(std::size_t depth) {
@@ -411,17 +575,17 @@ private:
             case ivalue_tag::tensor_list:
                 return typed_list<at::Tensor>([&] { return tensor(in_.get<std::uint32_t>()); }, 4);
             case ivalue_tag::generic_list: {
-                const ivalue_type element_type = type_code();
-                c10::impl::GenericList list(ivalue_type_from_code(element_type));
+                const c10::TypePtr element_type = get_ivalue_type(in_, 0, limits_.max_depth);
+                c10::impl::GenericList list(element_type);
                 const auto n = count(1);
                 list.reserve(n);
                 for (std::size_t i = 0; i < n; ++i) list.push_back(typed(ivalue(depth + 1), element_type));
                 return list;
             }
             case ivalue_tag::generic_dict: {
-                const ivalue_type key_type = type_code();
-                const ivalue_type value_type = type_code();
-                c10::impl::GenericDict dict(ivalue_type_from_code(key_type), ivalue_type_from_code(value_type));
+                const c10::TypePtr key_type = get_ivalue_type(in_, 0, limits_.max_depth);
+                const c10::TypePtr value_type = get_ivalue_type(in_, 0, limits_.max_depth);
+                c10::impl::GenericDict dict(key_type, value_type);
                 const auto n = count(2);
                 for (std::size_t i = 0; i < n; ++i) {
                     c10::IValue key = typed(ivalue(depth + 1), key_type);
@@ -441,21 +605,11 @@ private:
     }
 
     // A root only sends elements of a typed container's type.
-    c10::IValue typed(c10::IValue v, ivalue_type type) {
-        const bool ok = type == ivalue_type::any || (type == ivalue_type::tensor && v.isTensor()) ||
-                        (type == ivalue_type::integer && v.isInt()) ||
-                        (type == ivalue_type::floating && v.isDouble()) ||
-                        (type == ivalue_type::boolean && v.isBool()) ||
-                        (type == ivalue_type::string && v.isString());
-        if (!ok) fail("an IValue of kind " + v.tagKind() + " in a container typed otherwise");
+    c10::IValue typed(c10::IValue v, const c10::TypePtr& type) {
+        if (type->kind() != c10::TypeKind::AnyType && !v.type()->isSubtypeOf(*type))
+            fail("an IValue of type " + v.type()->annotation_str() + " in a container typed " +
+                 type->annotation_str());
         return v;
-    }
-
-    ivalue_type type_code() {
-        const auto code = in_.get<std::uint8_t>();
-        if (code > static_cast<std::uint8_t>(ivalue_type::string))
-            fail("unknown IValue element type " + std::to_string(code));
-        return static_cast<ivalue_type>(code);
     }
 
     template <class E, class Read>

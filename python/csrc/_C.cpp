@@ -1,0 +1,257 @@
+// The C++ half of the Python package: Python values <-> the core's dynamic value
+// (c10::IValue), and spbcast::broadcast over the c10d group behind a torch.distributed group.
+//
+// Only the core headers are included (broadcast.hpp and what it pulls); dist.hpp, loader.hpp and
+// spbcast.hpp name Gloo, whose headers a PyTorch wheel does not ship.
+//
+// The Python side (python/spbcast/_wire.py) has already turned the user's object into a tree of None,
+// bool, int, float, str, bytes, CPU tensors, lists, tuples and dicts with str or int keys, and
+// checked every value with its path; what reaches to_ivalue is only that vocabulary. The one
+// tagged form handled here is bytes: an IValue string cannot tell text from bytes, so bytes
+// travel as the tuple (TAG_BYTES, string) and come back as Python bytes.
+#include <spbcast/broadcast.hpp>
+
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <vector>
+
+#if !SPBCAST_TORCH_AT_LEAST(2, 0)
+#error "spbcast's Python package builds against a PyTorch 2.x wheel; the include path found LibTorch 1.x headers"
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+// Tags of the Python layer's tuples (the first element of every tuple on the wire); shared with
+// python/spbcast/_wire.py through module attributes, so there is one definition.
+constexpr int64_t TAG_TUPLE = 0;
+constexpr int64_t TAG_BYTES = 1;
+constexpr int64_t TAG_OBJECT = 2;
+
+[[noreturn]] void type_error(const std::string& what) { throw py::type_error("spbcast: " + what); }
+
+int64_t to_int64(py::handle h) {
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(h.ptr(), &overflow);
+    if (overflow != 0) type_error("an int outside the int64 range reached the C++ encoder");
+    if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+    return static_cast<int64_t>(v);
+}
+
+c10::IValue to_ivalue(py::handle h) {
+    if (h.is_none()) return c10::IValue();
+    if (THPVariable_Check(h.ptr())) return THPVariable_Unpack(h.ptr());
+    if (PyBool_Check(h.ptr())) return h.ptr() == Py_True;
+    if (PyLong_CheckExact(h.ptr())) return to_int64(h);
+    if (PyFloat_CheckExact(h.ptr())) return PyFloat_AS_DOUBLE(h.ptr());
+    if (PyUnicode_CheckExact(h.ptr())) return py::cast<std::string>(h);
+    if (PyBytes_CheckExact(h.ptr())) {
+        char* data = nullptr;
+        Py_ssize_t size = 0;
+        PyBytes_AsStringAndSize(h.ptr(), &data, &size);
+        return std::string(data, static_cast<std::size_t>(size));
+    }
+    if (PyList_CheckExact(h.ptr())) {
+        c10::impl::GenericList list(c10::AnyType::get());
+        const Py_ssize_t n = PyList_GET_SIZE(h.ptr());
+        list.reserve(static_cast<std::size_t>(n));
+        for (Py_ssize_t i = 0; i < n; ++i) list.push_back(to_ivalue(PyList_GET_ITEM(h.ptr(), i)));
+        return list;
+    }
+    if (PyTuple_CheckExact(h.ptr())) {
+        const Py_ssize_t n = PyTuple_GET_SIZE(h.ptr());
+        std::vector<c10::IValue> elements;
+        elements.reserve(static_cast<std::size_t>(n));
+        for (Py_ssize_t i = 0; i < n; ++i) elements.push_back(to_ivalue(PyTuple_GET_ITEM(h.ptr(), i)));
+        return c10::ivalue::Tuple::create(std::move(elements));
+    }
+    if (PyDict_CheckExact(h.ptr())) {
+        // Keys are all str or all int (the Python encoder checked); an empty dict is str-keyed.
+        PyObject* key = nullptr;
+        PyObject* value = nullptr;
+        Py_ssize_t pos = 0;
+        bool int_keys = false;
+        if (PyDict_Next(h.ptr(), &pos, &key, &value)) int_keys = PyLong_CheckExact(key);
+        const c10::TypePtr key_type = int_keys ? c10::TypePtr(c10::IntType::get())
+                                               : c10::TypePtr(c10::StringType::get());
+        c10::impl::GenericDict dict(key_type, c10::AnyType::get());
+        dict.reserve(static_cast<std::size_t>(PyDict_GET_SIZE(h.ptr())));
+        pos = 0;
+        while (PyDict_Next(h.ptr(), &pos, &key, &value)) {
+            c10::IValue k;
+            if (int_keys && PyLong_CheckExact(key)) k = to_int64(key);
+            else if (!int_keys && PyUnicode_CheckExact(key)) k = py::cast<std::string>(key);
+            else type_error("a dict whose keys are not all str or all int reached the C++ encoder");
+            dict.insert(std::move(k), to_ivalue(value));
+        }
+        return dict;
+    }
+    type_error(std::string("a value of type ") + Py_TYPE(h.ptr())->tp_name +
+               " reached the C++ encoder; only spbcast._wire's vocabulary may");
+}
+
+py::object from_ivalue(const c10::IValue& v) {
+    if (v.isNone()) return py::none();
+    // Wrapping returns the Python object already bound to the TensorImpl, so a tensor that the
+    // core rebuilt once and referenced twice is one Python object referenced twice.
+    if (v.isTensor()) return py::reinterpret_steal<py::object>(THPVariable_Wrap(v.toTensor()));
+    if (v.isBool()) return py::bool_(v.toBool());
+    if (v.isInt()) return py::int_(v.toInt());
+    if (v.isDouble()) return py::float_(v.toDouble());
+    if (v.isString()) return py::str(v.toStringRef());
+    if (v.isList()) {
+        const auto elements = v.toListRef();
+        py::list out(elements.size());
+        for (std::size_t i = 0; i < elements.size(); ++i) out[i] = from_ivalue(elements[i]);
+        return std::move(out);
+    }
+    if (v.isGenericDict()) {
+        py::dict out;
+        for (const auto& entry : v.toGenericDict()) out[from_ivalue(entry.key())] = from_ivalue(entry.value());
+        return std::move(out);
+    }
+    if (v.isTuple()) {
+        const auto& elements = v.toTupleRef().elements();
+        if (elements.size() == 2 && elements[0].isInt() && elements[0].toInt() == TAG_BYTES &&
+            elements[1].isString()) {
+            const auto& s = elements[1].toStringRef();
+            return py::bytes(s.data(), s.size());
+        }
+        py::tuple out(elements.size());
+        for (std::size_t i = 0; i < elements.size(); ++i) out[i] = from_ivalue(elements[i]);
+        return std::move(out);
+    }
+    throw spbcast::error(spbcast::errc::corrupt_frame,
+                         "spbcast: the root sent an IValue of kind " + v.tagKind() +
+                             ", which the Python package never sends");
+}
+
+const char* errc_name(spbcast::errc code) {
+    using spbcast::errc;
+    switch (code) {
+        case errc::unsupported_value: return "unsupported_value";
+        case errc::limit_exceeded: return "limit_exceeded";
+        case errc::corrupt_frame: return "corrupt_frame";
+        case errc::version_mismatch: return "version_mismatch";
+        case errc::schema_mismatch: return "schema_mismatch";
+        case errc::payload_corrupt: return "payload_corrupt";
+        case errc::remote: return "remote";
+        case errc::transport: return "transport";
+        case errc::timeout: return "timeout";
+        case errc::invalid_argument: return "invalid_argument";
+        case errc::loader: return "loader";
+    }
+    return "error";
+}
+
+// Raises the Python class of spbcast.errors that mirrors the C++ exception (GIL held).
+[[noreturn]] void raise_python(const spbcast::error& e) {
+    py::module_ errors = py::module_::import("spbcast.errors");
+    py::object exc;
+    const char* code = errc_name(e.code());
+    if (auto* r = dynamic_cast<const spbcast::remote_error*>(&e))
+        exc = errors.attr("RemoteError")(e.what(), code, r->root_rank(), r->root_message());
+    else if (auto* s = dynamic_cast<const spbcast::schema_error*>(&e))
+        exc = errors.attr("SchemaError")(e.what(), code, s->local_schema(), s->root_schema());
+    else if (auto* t = dynamic_cast<const spbcast::transport_error*>(&e))
+        exc = errors.attr("TransportError")(e.what(), code, t->phase());
+    else
+        exc = errors.attr("Error")(e.what(), code);
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+    throw py::error_already_set();
+}
+
+// The C++ group behind a Python torch.distributed group: torch's own pybind11 binding holds it
+// as c10::intrusive_ptr<c10d::ProcessGroup>, so a cast hands us that very object. If the cast is
+// refused (an extension whose pybind11 internals differ from torch's), torch's C++ group
+// registry resolves the group by its name.
+c10::intrusive_ptr<c10d::ProcessGroup> cpp_group(py::handle group, const std::string& group_name) {
+    try {
+        return py::cast<c10::intrusive_ptr<c10d::ProcessGroup>>(group);
+    } catch (const py::cast_error&) {
+        return c10d::resolve_process_group(group_name);
+    }
+}
+
+// A value converted for the wire, held between the two calls so that a failing conversion on
+// the root is known before any collective (the root then sends its error instead).
+struct wire_value {
+    c10::IValue value;
+};
+
+// root: the group rank of the sender; value: the root's wire_value (None on the other ranks).
+// Returns the root's value on followers, None on the root.
+py::object broadcast(py::handle group, const std::string& group_name, const wire_value* value,
+                     int root, std::optional<double> timeout_s, bool checksum, bool use_registry) {
+    auto pg = use_registry ? c10d::resolve_process_group(group_name) : cpp_group(group, group_name);
+    spbcast::options opts;
+    opts.root = root;
+    opts.checksum = checksum;
+    if (timeout_s)  // validated on the Python side
+        opts.timeout = std::chrono::milliseconds(
+            std::max<int64_t>(1, static_cast<int64_t>(*timeout_s * 1000.0 + 0.5)));
+    const bool is_root = pg->getRank() == root;
+    if (is_root && value == nullptr)
+        throw py::value_error("spbcast: the root must pass its converted value");
+    c10::IValue iv = is_root ? value->value : c10::IValue();
+    try {
+        py::gil_scoped_release no_gil;  // bytes move without the GIL
+        spbcast::broadcast(iv, pg, opts);
+    } catch (const spbcast::error& e) {
+        raise_python(e);
+    }
+    if (is_root) return py::none();
+    try {
+        return from_ivalue(iv);
+    } catch (const spbcast::error& e) {
+        raise_python(e);
+    }
+}
+
+bool dtype_supported(const at::Tensor& t) {
+    return spbcast::detail::dtype_code(t.scalar_type()).has_value();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "spbcast's C++ core, bound for Python (use the spbcast package, not this module)";
+    m.attr("TAG_TUPLE") = TAG_TUPLE;
+    m.attr("TAG_BYTES") = TAG_BYTES;
+    m.attr("TAG_OBJECT") = TAG_OBJECT;
+    // The core's default bounds, which the Python encoder checks first to name the Python path.
+    m.attr("MAX_STRING_BYTES") = spbcast::limits{}.max_string_bytes;
+    m.attr("MAX_IVALUE_DEPTH") = spbcast::limits{}.max_depth;
+    py::class_<wire_value>(m, "WireValue");
+    m.def("to_wire", [](py::handle tree) { return wire_value{to_ivalue(tree)}; }, py::arg("tree"));
+    m.def("broadcast", &broadcast, py::arg("group"), py::arg("group_name"),
+          py::arg("value").none(true), py::arg("root"), py::arg("timeout_s"), py::arg("checksum"),
+          py::arg("use_registry") = false);
+    // For the tests: whether torch's binding hands over the C++ group (the registry is not used).
+    m.def("binding_cast_works", [](py::handle group) {
+        try {
+            return py::cast<c10::intrusive_ptr<c10d::ProcessGroup>>(group).defined();
+        } catch (const py::cast_error&) {
+            return false;
+        }
+    });
+    m.def("dtype_supported", &dtype_supported, py::arg("tensor"));
+    m.def("set_receive_cache_limit", [](std::size_t bytes) { spbcast::set_receive_cache_limit(bytes); },
+          py::arg("bytes"));
+    m.def("receive_cache_statistics", [] {
+        const auto s = spbcast::receive_cache_statistics();
+        py::dict out;
+        out["limit_bytes"] = s.limit_bytes;
+        out["cached_bytes"] = s.cached_bytes;
+        out["blocks_reused"] = s.blocks_reused;
+        out["blocks_allocated"] = s.blocks_allocated;
+        return out;
+    });
+}

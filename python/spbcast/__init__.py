@@ -1,0 +1,13 @@
+"""spbcast: broadcast a training batch from the SP leader to every rank of a sequence-parallel
+group, bit-exactly, with tensor identity and views preserved.
+
+    batch = spbcast.broadcast(batch if leader else None, group=sp_group, src=leader_rank)
+"""
+
+from ._broadcast import broadcast
+from ._C import receive_cache_statistics, set_receive_cache_limit
+from .errors import Error, RemoteError, SchemaError, TransportError
+from .loader import LeaderLoader
+
+__all__ = ["broadcast", "LeaderLoader", "Error", "RemoteError", "SchemaError", "TransportError",
+           "set_receive_cache_limit", "receive_cache_statistics"]

@@ -1,0 +1,80 @@
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from . import _C, _wire
+from .errors import Error
+
+
+def _group_and_root(group, src):
+    if not dist.is_available() or not dist.is_initialized():
+        raise Error("spbcast: torch.distributed is not initialized; call "
+                    "torch.distributed.init_process_group first", "invalid_argument")
+    pg = dist.group.WORLD if group is None else group
+    rank = dist.get_rank(pg)
+    if rank < 0:
+        raise Error(f"spbcast: rank {dist.get_rank()} is not a member of the group it passed to "
+                    "spbcast.broadcast; call it only on the group's ranks", "invalid_argument")
+    try:
+        pg._get_backend(torch.device("cpu"))
+    except (RuntimeError, AttributeError) as e:
+        raise Error(f"spbcast: rank {dist.get_rank()}: the group has no CPU backend (spbcast sends "
+                    "CPU tensors); create the SP group with backend=\"gloo\" (or initialize with "
+                    f"backend=\"cpu:gloo,cuda:nccl\"): {e}", "invalid_argument") from e
+    ranks = dist.get_process_group_ranks(pg)
+    if src not in ranks:
+        raise Error(f"spbcast: rank {dist.get_rank()}: src={src} is not a rank of the group (its "
+                    f"global ranks: {ranks}); src is a global rank, as in torch.distributed",
+                    "invalid_argument")
+    return pg, rank, dist.get_group_rank(pg, src)
+
+
+def _seconds(timeout):
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if type(seconds) not in (int, float) or not 0 < seconds <= 1e9:
+        raise Error(f"spbcast: timeout must be a positive number of seconds or a timedelta (got "
+                    f"{timeout!r})", "invalid_argument")
+    return float(seconds)
+
+
+def broadcast(obj, group=None, src=0, *, timeout=None, checksum=False, _use_registry=False,
+              _name="batch"):
+    """Sends ``obj`` from the global rank ``src`` to every rank of ``group`` and returns it.
+
+    On ``src`` the very object passed is returned; on every other rank an identical copy on the
+    CPU: tensors bit for bit with their dtype, shape, strides and ``requires_grad``, a tensor
+    referenced twice as one tensor referenced twice, views of one storage as views of one storage.
+    Other ranks pass anything (``None``). Every rank of the group must call it.
+
+    group: a torch.distributed group (default: the default group). src: a global rank.
+    timeout: seconds (or a ``datetime.timedelta``) bounding every wait; default 5 minutes.
+    checksum: verify the payload with a checksum per transfer slot.
+
+    Raises spbcast.Error (``.code`` says why) on every rank when the value cannot be sent
+    (followers raise spbcast.RemoteError with the root's message); the group stays usable.
+    """
+    pg, rank, root = _group_and_root(group, src)
+    seconds = _seconds(timeout)
+    name = pg.group_name
+    if rank == root:
+        me = dist.get_rank()
+        try:
+            wire = _C.to_wire(_wire.encode(obj, me, _name))
+        except Exception as e:  # noqa: BLE001 - whatever failed, the followers must hear of it
+            # Followers are already waiting in the core's first collective: send them the error
+            # instead of the value, so they raise it at once and the group stays in step.
+            error = e if isinstance(e, Error) else Error(
+                f"spbcast: rank {me}: cannot send {_name}: reading it raised "
+                f"{type(e).__name__}: {e}", "unsupported_value")
+            _C.broadcast(pg, name, _C.to_wire(_wire.error_envelope(error)), root, seconds,
+                         checksum, _use_registry)
+            if error is e:
+                raise
+            raise error from e
+        _C.broadcast(pg, name, wire, root, seconds, checksum, _use_registry)
+        return obj
+    envelope = _C.broadcast(pg, name, None, root, seconds, checksum, _use_registry)
+    return _wire.decode(envelope, dist.get_rank(), src)

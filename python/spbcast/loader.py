@@ -1,0 +1,324 @@
+"""LeaderLoader: only the SP leader runs the data loader; every rank of the SP group gets its
+batches, and every follower's default CPU generator advances as if it had run its own loader.
+
+The Python counterpart of include/spbcast/loader.hpp. Each step the leader broadcasts one
+envelope - status, epoch, step, how far its loader advanced the default generator, the batch -
+over the SP group. The advance is *observed*, not predicted: the leader compares the default
+CPU generator's state around every call into its loader (iterator creation, each next) and
+counts the 32-bit words of the Mersenne Twister consumed in between, so whatever runs in the
+main process - the DataLoader's base seed at each iterator creation (none when persistent
+workers are reused), a RandomSampler's seed per epoch, a torch.rand in a dataset read with
+num_workers=0 - followers consume exactly as many words of their own generator. What is not a
+plain advance (a reseed, a cached normal sample) is refused on every rank.
+"""
+
+import torch
+import torch.distributed as dist
+
+from ._broadcast import broadcast
+from .errors import Error
+
+_MT_N = 624  # words per Mersenne Twister block
+# The largest advance one loader call may make (64 Mi words: 256 MiB of random floats); beyond
+# it, or for a change that no advance explains, the call is refused.
+_MAX_WORDS_PER_CALL = 1 << 26
+_REPLAY_CHUNK = 1 << 20
+_STATE_VERSION = 1
+_END = object()
+
+
+def _advance(generator, words):
+    """Consumes `words` 32-bit words of `generator` (None: the default CPU generator)."""
+    while words > 0:
+        n = min(words, _REPLAY_CHUNK)
+        torch.empty(n, dtype=torch.int32).random_(generator=generator)  # one word an element
+        words -= n
+
+
+def _next_index(state):
+    # CPUGeneratorImpl's serialized state (THGeneratorState, unchanged since LibTorch 1.x):
+    # u64 initial seed, i32 left, i32 seeded, u64 next (the position in the block), ...
+    return int.from_bytes(state[16:24].numpy().tobytes(), "little")
+
+
+def _layout_known():
+    """Whether _next_index reads this torch's state layout (checked once, on a scratch one)."""
+    global _LAYOUT_KNOWN
+    if _LAYOUT_KNOWN is None:
+        g = torch.Generator().manual_seed(12345)
+        before = g.get_state()
+        _advance(g, 700)
+        after = g.get_state()
+        _LAYOUT_KNOWN = (before.numel() >= 24 + 8 * _MT_N and
+                         (_next_index(after) - _next_index(before)) % _MT_N == 700 % _MT_N)
+    return _LAYOUT_KNOWN
+
+
+_LAYOUT_KNOWN = None
+
+
+def _count_words(before, after):
+    """How many 32-bit words take the default CPU generator's state from before to after, or
+    None when no advance does."""
+    if torch.equal(before, after):
+        return 0
+    g = torch.Generator()
+    g.set_state(before)
+    if _layout_known():
+        # The position in the block fixes the count modulo one block; try block by block.
+        total = (_next_index(after) - _next_index(before)) % _MT_N
+        _advance(g, total)
+        step = _MT_N
+    else:
+        total, step = 0, 1
+    while total <= _MAX_WORDS_PER_CALL:
+        if torch.equal(g.get_state(), after):
+            return total
+        _advance(g, step)
+        total += step
+        if step == 1 and total > 4 * _MT_N:  # without the layout, only short advances
+            break
+    return None
+
+
+class LeaderLoader:
+    """Iterates the batches of ``total_epoch`` epochs or ``total_step`` steps of a data loader,
+    the same batches on every rank of ``sp_group``.
+
+    make_loader: a callable returning an iterable loader (e.g. a torch.utils.data.DataLoader);
+        with ``sp_media_dedup`` on it is called on the SP leader (group rank 0) only.
+    sp_group: the SP process group (None: the default group).
+    sp_media_dedup: off means every rank runs its own loader (BASE), as without spbcast.
+    tp_size: dedup requires tensor parallelism 1.
+
+    Every SP rank must iterate in step. ``state_dict()`` is taken on the SP leader and
+    ``load_state_dict()`` needs it only there (followers learn the position from the leader).
+    """
+
+    def __init__(self, make_loader, sp_group=None, *, sp_media_dedup, total_epoch=None,
+                 total_step=None, tp_size=1, timeout=None):
+        # Checked on every rank before any collective, so a bad configuration is one clear error
+        # everywhere rather than a rank stuck in a collective.
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        where = f"spbcast: rank {rank}: invalid LeaderLoader configuration: "
+        if (total_epoch is None) == (total_step is None):
+            raise Error(where + "set exactly one of total_epoch and total_step "
+                        f"(both are {'set' if total_epoch is not None else 'unset'})",
+                        "invalid_argument")
+        for name, v in (("total_epoch", total_epoch), ("total_step", total_step)):
+            if v is not None and (type(v) is not int or v <= 0):
+                raise Error(where + f"{name} must be a positive int (got {v!r})", "invalid_argument")
+        if type(tp_size) is not int or tp_size < 1:
+            raise Error(where + f"tp_size must be an int of at least 1 (got {tp_size!r})",
+                        "invalid_argument")
+        if sp_media_dedup and tp_size > 1:
+            raise Error(where + f"sp_media_dedup requires TP size 1 (got {tp_size}); turn "
+                        "sp_media_dedup off or run with tensor parallelism 1", "invalid_argument")
+        if not callable(make_loader):
+            raise Error(where + "make_loader must be a callable that returns the loader",
+                        "invalid_argument")
+
+        self.total_epoch = total_epoch
+        self.total_step = total_step
+        self.timeout = timeout
+        self.epoch = 0
+        self.step = 0
+        self._in_epoch = 0
+        self._skip = 0  # batches to drop when resuming mid-epoch without loader state
+        self._finished = False
+        self._iter = None
+        self.loader = None
+        self.length = -1
+
+        if sp_media_dedup and not dist.is_initialized():
+            raise Error(where + "sp_media_dedup needs torch.distributed to be initialized",
+                        "invalid_argument")
+        self.group = sp_group if sp_group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+        self.sp_rank = dist.get_rank(self.group) if self.group is not None else 0
+        sp_size = dist.get_world_size(self.group) if self.group is not None else 1
+        self.dedup = bool(sp_media_dedup) and sp_size > 1
+        self._leader = dist.get_global_rank(self.group, 0) if self.dedup else rank
+        if not self.dedup:
+            self.loader = make_loader()
+            self.length = self._local_length()
+            return
+
+        init = {"error": None, "words": 0, "length": -1}
+        if self.is_leader:
+            try:
+                before = torch.get_rng_state()
+                self.loader = make_loader()
+                init["words"] = self._words(before, "building the loader")
+                init["length"] = self._local_length()
+            except Exception as e:  # noqa: BLE001 - sent to the followers, re-raised below
+                init["error"] = f"{type(e).__name__}: {e}"
+        init = broadcast(init, self.group, self._leader, timeout=timeout, _name="loader_init")
+        if init["error"] is not None:
+            raise Error(self._where() + ": the SP leader failed building the data loader: "
+                        + init["error"], "loader")
+        if not self.is_leader:
+            self._replay(init["words"])
+        self.length = init["length"]
+
+    # ---- public -------------------------------------------------------------------------------
+
+    @property
+    def is_leader(self):
+        return self.sp_rank == 0
+
+    def __len__(self):
+        """Steps of the whole run: total_step, or batches per epoch times total_epoch."""
+        if self.total_step is not None:
+            return self.total_step
+        if self.length < 0:
+            raise TypeError("the loader has no len(), so the number of steps is unknown")
+        return self.length * self.total_epoch
+
+    def __iter__(self):
+        while True:
+            done, batch = self._next()
+            if done:
+                return
+            yield batch
+
+    def state_dict(self):
+        """The loop position and the loader's own state (if it has state_dict()); empty on dedup
+        followers, which hold no loader. Save the SP leader's."""
+        if self.loader is None:
+            return {}
+        state = {"version": _STATE_VERSION, "epoch": self.epoch, "step": self.step,
+                 "in_epoch": self._in_epoch, "loader": None}
+        if hasattr(self.loader, "state_dict"):
+            state["loader"] = self.loader.state_dict()
+        return state
+
+    def load_state_dict(self, state):
+        """Continues exactly where state_dict() was taken, from the next batch. On dedup followers
+        it does nothing. A loader without load_state_dict() is fast-forwarded: the resumed epoch's
+        first batches are loaded and dropped, which is exact when the epoch's order depends only
+        on the epoch (a sampler with set_epoch, as DistributedSampler)."""
+        if self.loader is None:
+            return
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            raise Error(self._where() + ": load_state_dict got a state that LeaderLoader."
+                        "state_dict did not write; pass the SP leader's state_dict()",
+                        "invalid_argument")
+        self.epoch, self.step, self._in_epoch = state["epoch"], state["step"], state["in_epoch"]
+        self._iter = None
+        self._finished = False
+        self._set_epoch(self.epoch)
+        own_state = state["loader"] is not None and hasattr(self.loader, "load_state_dict")
+        if own_state:
+            self.loader.load_state_dict(state["loader"])
+        self._skip = 0
+        if self.length > 0 and self._in_epoch >= self.length:
+            # Saved right after an epoch's last batch: the continuous run ends that pass at its
+            # next fetch, so the resumed run starts the next epoch.
+            self._end_epoch()
+        elif not own_state:
+            self._skip = self._in_epoch
+
+    # ---- steps ----------------------------------------------------------------------------------
+
+    def _next(self):
+        if not self.dedup:
+            batch = self._fetch(None)
+            return batch is _END, (None if batch is _END else batch)
+        envelope = {"error": None, "epoch": 0, "step": 0, "words": 0, "done": False, "batch": None}
+        if self.is_leader:
+            words = [0]
+            try:
+                batch = self._fetch(words)
+                envelope["done"] = batch is _END
+                envelope["batch"] = None if batch is _END else batch
+            except Exception as e:  # noqa: BLE001 - sent to the followers, re-raised below
+                envelope["error"] = f"{type(e).__name__}: {e}"
+            envelope["words"] = words[0]
+            envelope["epoch"], envelope["step"] = self.epoch, self.step
+        # A batch the core refuses raises here on every rank (RemoteError on followers).
+        received = broadcast(envelope, self.group, self._leader, timeout=self.timeout,
+                             _name=f"step[{envelope['step']}]")
+        if self.is_leader:
+            received = envelope
+        if received["error"] is not None:
+            raise Error(self._where() + f": the SP leader failed fetching step "
+                        f"{received['step'] + 1}: {received['error']}", "loader")
+        if not self.is_leader:
+            self._replay(received["words"])
+            self.epoch, self.step = received["epoch"], received["step"]
+        return received["done"], received["batch"]
+
+    def _fetch(self, words):
+        """The one fetch/epoch loop: the next batch of the current pass; at the end of a pass,
+        advance the epoch and start the next one. Counts the generator words into words[0]
+        (None: not counted, dedup is off)."""
+        if self._finished or (self.total_step is not None and self.step >= self.total_step):
+            self._finished = True
+            return _END
+        empty_passes = 0
+        while True:
+            if self._iter is None:
+                self._iter = self._call(iter, self.loader, words, "creating the loader's iterator")
+            batch = self._call(next, self._iter, words, "fetching a batch", _END)
+            if batch is not _END and self._skip > 0:
+                self._skip -= 1
+                continue
+            if batch is not _END:
+                self.step += 1
+                self._in_epoch += 1
+                return batch
+            self._end_epoch()
+            if self.total_epoch is not None and self.epoch >= self.total_epoch:
+                self._finished = True
+                return _END
+            empty_passes += 1
+            if empty_passes == 2:
+                raise Error(self._where() + ": the data loader yielded no batch for a whole epoch; "
+                            "check the dataset and the sampler", "loader")
+
+    def _call(self, fn, arg, words, doing, *default):
+        if words is None:
+            return fn(arg, *default)
+        before = torch.get_rng_state()
+        out = fn(arg, *default)
+        words[0] += self._words(before, doing)
+        return out
+
+    def _words(self, before, doing):
+        n = _count_words(before, torch.get_rng_state())
+        if n is None:
+            raise Error(self._where() + f": {doing} changed the default CPU generator in a way "
+                        "spbcast cannot mirror on the followers (not an advance of it: a reseed, "
+                        "a cached normal sample); give that code a torch.Generator of its own or "
+                        "move it into DataLoader workers", "loader")
+        return n
+
+    @staticmethod
+    def _replay(words):
+        if type(words) is not int or not 0 <= words <= 1 << 40:
+            raise Error(f"spbcast: the SP leader sent an invalid generator advance {words!r}",
+                        "corrupt_frame")
+        _advance(None, words)
+
+    def _end_epoch(self):
+        self._iter = None
+        self.epoch += 1
+        self._in_epoch = 0
+        self._set_epoch(self.epoch)
+
+    def _set_epoch(self, epoch):
+        for target in (self.loader, getattr(self.loader, "sampler", None),
+                       getattr(self.loader, "batch_sampler", None),
+                       getattr(getattr(self.loader, "batch_sampler", None), "sampler", None)):
+            if target is not None and hasattr(target, "set_epoch"):
+                target.set_epoch(epoch)
+                return
+
+    def _local_length(self):
+        try:
+            return len(self.loader)
+        except TypeError:
+            return -1
+
+    def _where(self):
+        return f"spbcast: SP rank {self.sp_rank} (LeaderLoader)"

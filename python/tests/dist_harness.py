@@ -1,0 +1,41 @@
+"""Runs a function on N real Gloo ranks (spawned processes on 127.0.0.1).
+
+The ranks meet through a FileStore in a fresh temporary file, so no TCP port is chosen (and
+none can race with another test run). Each rank runs fn(rank, world, *args); an exception on
+any rank fails the test with that rank's traceback.
+"""
+
+import datetime
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank, world, init_file, fn, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(world, fn, *args, timeout=120):
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "store")
+        ctx = mp.start_processes(_entry, args=(world, init_file, fn, args), nprocs=world,
+                                 join=False, start_method="spawn")
+        end = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=max(0.1, end - time.monotonic())):
+                if time.monotonic() > end:
+                    raise TimeoutError(f"ranks still running after {timeout} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()

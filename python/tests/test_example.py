@@ -1,0 +1,27 @@
+"""The torchrun example of the README runs, and dedup gives every rank BASE's batches and
+generator (examples/python/sp_train.py prints a digest of both per rank)."""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(ROOT, "examples", "python", "sp_train.py")
+
+
+def _digests(*extra):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    out = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "4", EXAMPLE, "--sp", "2",
+                          *extra], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    found = dict(re.findall(r"^rank (\d) .*digest ([0-9a-f]+)$", out.stdout, re.M))
+    assert len(found) == 4, out.stdout
+    return found
+
+
+def test_torchrun_example_dedup_equals_base():
+    dedup, base = _digests(), _digests("--no-dedup")
+    assert dedup == base
+    assert dedup["0"] == dedup["1"] and dedup["2"] == dedup["3"] and dedup["0"] != dedup["2"]

@@ -1,0 +1,259 @@
+"""LeaderLoader with a real torch.utils.data.DataLoader between real Gloo ranks: every rank's
+batches and default CPU generator equal BASE (every rank running its own loader) to the bit."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+import spbcast
+from batches import assert_same
+from dist_harness import run
+from loader_data import EpochSampler, Samples, StatefulLoader, collate, digest
+
+EPOCHS = 3
+
+
+def _make(workers, persistent, sampler=False, own_generator=False, main_noise=False):
+    """A factory of fresh, identically configured DataLoaders."""
+    ds = Samples(noise=not sampler, main_noise=main_noise)
+
+    def make():
+        kw = dict(batch_size=2, collate_fn=collate, num_workers=workers,
+                  persistent_workers=persistent)
+        if own_generator:
+            # The base seed and the sampler's seed then come from this generator: BASE draws
+            # nothing from the default one, and neither must the followers.
+            kw["generator"] = torch.Generator().manual_seed(3)
+        if workers:
+            # The ranks are spawned processes, whose default context would start workers by
+            # spawn too (seconds each, re-importing torch); a trainer under torchrun forks them.
+            kw["multiprocessing_context"] = "fork"
+        if sampler:
+            return DataLoader(ds, sampler=EpochSampler(len(ds)), **kw)
+        return DataLoader(ds, shuffle=True, **kw)  # a RandomSampler
+
+    return make
+
+
+def _model_step():
+    # What a training step draws from the default generator between batches (dropout, ...).
+    torch.rand(5)
+
+
+def _base(make, epochs):
+    """BASE: a plain loop over this rank's own loader, as a trainer without spbcast runs it.
+    Returns the batches, the generator after each fetch, and the generator after each epoch."""
+    loader = make()
+    batches, fetched, epoch_ends = [], [], []
+    for epoch in range(epochs):
+        for batch in loader:
+            batches.append(batch)
+            fetched.append(torch.get_rng_state())
+            _model_step()
+        epoch_ends.append(torch.get_rng_state())
+    return batches, fetched, epoch_ends
+
+
+def _dedup(make, group, epochs):
+    ll = spbcast.LeaderLoader(make, group, sp_media_dedup=True, total_epoch=epochs)
+    steps_per_epoch = 8
+    assert len(ll) == epochs * steps_per_epoch and ll.length == steps_per_epoch
+    batches, fetched, epoch_ends = [], [], []
+    for batch in ll:
+        assert ll.epoch == len(batches) // steps_per_epoch and ll.step == len(batches) + 1
+        batches.append(batch)
+        fetched.append(torch.get_rng_state())
+        _model_step()
+        if ll.step % steps_per_epoch == 0:  # the epoch's last batch: the epoch is over
+            epoch_ends.append(torch.get_rng_state())
+    assert ll.epoch == epochs and ll.step == epochs * steps_per_epoch
+    assert (ll.loader is not None) == ll.is_leader
+    return batches, fetched, epoch_ends
+
+
+def _compare(base, dedup):
+    (bb, bf, be), (db, df, de) = base, dedup
+    assert len(bb) == len(db), (len(bb), len(db))
+    for i in range(len(bb)):
+        assert_same(bb[i], db[i], f"step {i + 1}")
+        assert torch.equal(bf[i], df[i]), f"step {i + 1}: default CPU generator differs from BASE"
+        assert db[i][0]["seq_ctx"].cu_seq_lens_k is db[i][0]["seq_ctx"].cu_seq_lens_q
+    assert len(be) == len(de) == EPOCHS
+    for e in range(EPOCHS):
+        assert torch.equal(be[e], de[e]), f"after epoch {e}: default CPU generator differs from BASE"
+
+
+def _matrix(rank, world, configs):
+    sp_groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    group = sp_groups[rank // 2]
+    for workers, persistent, *option in configs:
+        make = _make(workers, persistent, own_generator=option == ["own generator"],
+                     main_noise=option == ["main-process noise"])
+        seed = 1234 + rank // 2  # one seed per SP group, as SP ranks must load the same batches
+        torch.manual_seed(seed)
+        base = _base(make, EPOCHS)
+        end_base = torch.get_rng_state()
+        torch.manual_seed(seed)
+        dedup = _dedup(make, group, EPOCHS)
+        end_dedup = torch.get_rng_state()
+        _compare(base, dedup)
+        assert torch.equal(end_base, end_dedup), f"{workers} workers: generator at the end"
+
+
+@pytest.mark.parametrize("configs", [[(0, False), (0, False, "own generator"),
+                                      (0, False, "main-process noise")],
+                                     [(2, False), (2, True)]],
+                         ids=["0 workers: default generator, own generator, augmentation",
+                              "2 workers, persistent and not"])
+def test_dataloader_equals_base(configs):
+    run(2, _matrix, configs, timeout=150)
+
+
+def test_two_sp_groups_of_two():
+    run(4, _matrix, [(2, False)], timeout=150)
+
+
+# ---- restart at step 20 of 40 ------------------------------------------------------------------
+
+TOTAL = 40
+
+
+def _continuous(rank, world, out_dir, save_at):
+    torch.manual_seed(99)
+    ll = spbcast.LeaderLoader(_make(2, False, sampler=True), None, sp_media_dedup=True,
+                              total_step=TOTAL)
+    digests = []
+    for batch in ll:
+        digests.append(digest(batch))
+        _model_step()
+        if ll.step == save_at and ll.is_leader:
+            with open(os.path.join(out_dir, "state.json"), "w") as f:
+                json.dump(ll.state_dict(), f)
+    assert len(digests) == TOTAL
+    with open(os.path.join(out_dir, f"continuous{rank}.json"), "w") as f:
+        json.dump(digests, f)
+
+
+def _resumed(rank, world, out_dir, save_at):
+    with open(os.path.join(out_dir, "state.json")) as f:
+        state = json.load(f)
+    results = {}
+    for dedup in (False, True):
+        torch.manual_seed(7)  # a new process: a seed of its own
+        ll = spbcast.LeaderLoader(_make(2, False, sampler=True), None, sp_media_dedup=dedup,
+                                  total_step=TOTAL)
+        # Dedup: only the leader needs the state; BASE: every rank loads it.
+        ll.load_state_dict(state if (ll.is_leader or not dedup) else None)
+        digests, states = [], []
+        for batch in ll:
+            digests.append(digest(batch))
+            states.append(torch.get_rng_state())
+            _model_step()
+        results[dedup] = (digests, states)
+    with open(os.path.join(out_dir, f"continuous{rank}.json")) as f:
+        continuous = json.load(f)
+    assert results[True][0] == continuous[save_at:], "resumed batches differ from the continuous run"
+    assert results[False][0] == continuous[save_at:]
+    for i, (a, b) in enumerate(zip(results[False][1], results[True][1])):
+        assert torch.equal(a, b), f"resumed step {save_at + i + 1}: generator differs from BASE"
+
+
+# Step 20 is mid-epoch (8 steps an epoch); step 16 is an epoch's last batch, after which the
+# resumed run must start the next epoch.
+@pytest.mark.parametrize("save_at", [20, 16])
+def test_restart_of_40_steps(tmp_path, save_at):
+    run(2, _continuous, str(tmp_path), save_at)
+    run(2, _resumed, str(tmp_path), save_at)
+
+
+def _stateful(rank, world):
+    # A loader with its own state resumes through it: nothing is fetched twice.
+    def run_loader(state=None):
+        ll = spbcast.LeaderLoader(StatefulLoader, None, sp_media_dedup=True, total_step=15)
+        if state is not None:
+            ll.load_state_dict(state)
+        seen, saved = [], None
+        for batch in ll:
+            seen.append((batch["epoch"], batch["i"], batch["t"].tolist(), ll.epoch, ll.step))
+            if ll.step == 8:
+                saved = ll.state_dict()
+        return ll, seen, saved
+
+    _, continuous, saved = run_loader()
+    assert [s[:2] for s in continuous[5:8]] == [(0, 5), (1, 0), (1, 1)]
+    assert (saved == {}) == (rank != 0)
+    saved = spbcast.broadcast(saved, src=0)  # the test gives the leader's state to both
+    resumed_ll, resumed, _ = run_loader(saved if rank == 0 else None)
+    assert resumed == continuous[8:]
+    if rank == 0:
+        assert resumed_ll.loader.fetched == 7
+
+
+def test_loader_with_its_own_state():
+    run(2, _stateful)
+
+
+# ---- configuration and failures ----------------------------------------------------------------
+
+class Boom:
+    def __iter__(self):
+        yield [torch.ones(1)]
+        raise ValueError("disk on fire")
+
+
+def _failures(rank, world):
+    # Checked before any collective, the same error on every rank.
+    for kwargs, words in [({}, "set exactly one"), ({"total_epoch": 1, "total_step": 1}, "set exactly one"),
+                          ({"total_epoch": 1, "tp_size": 2}, "requires TP size 1"),
+                          ({"total_epoch": 0}, "positive")]:
+        with pytest.raises(spbcast.Error, match=words) as info:
+            spbcast.LeaderLoader(list, None, sp_media_dedup=True, **kwargs)
+        assert info.value.code == "invalid_argument"
+
+    # A factory that fails on the leader fails on every rank.
+    def bad_factory():
+        raise OSError("no such dataset")
+    with pytest.raises(spbcast.Error, match="no such dataset") as info:
+        spbcast.LeaderLoader(bad_factory, None, sp_media_dedup=True, total_epoch=1)
+    assert info.value.code == "loader"
+
+    # A loader that throws mid-epoch: every rank raises at that step, after the first batch.
+    ll = spbcast.LeaderLoader(Boom, None, sp_media_dedup=True, total_epoch=1)
+    it = iter(ll)
+    assert torch.equal(next(it)[0], torch.ones(1))
+    with pytest.raises(spbcast.Error, match="disk on fire") as info:
+        next(it)
+    assert info.value.code == "loader"
+
+    # A batch spbcast cannot send: refused on every rank with its path inside the envelope.
+    ll = spbcast.LeaderLoader(lambda: [[{"ids": {1, 2}}]], None, sp_media_dedup=True, total_epoch=1)
+    with pytest.raises(spbcast.Error, match=r'cannot send step\[1\]\["batch"\]\[0\]\["ids"\]: a set') as info:
+        next(iter(ll))
+    assert type(info.value) is (spbcast.Error if rank == 0 else spbcast.RemoteError)
+
+    # A loader that reseeds the default generator cannot be mirrored: refused on every rank.
+    def reseeding_loader():
+        return (torch.manual_seed(5) and [torch.ones(1)] for _ in range(2))
+    ll = spbcast.LeaderLoader(reseeding_loader, None, sp_media_dedup=True, total_epoch=1)
+    with pytest.raises(spbcast.Error, match="cannot mirror") as info:
+        next(iter(ll))
+    assert info.value.code == "loader"
+    # SP size 1: dedup has nothing to do; every rank builds its loader and no collective runs.
+    singles = [dist.new_group([r]) for r in range(world)]
+    ll = spbcast.LeaderLoader(lambda: [[torch.ones(1)]], singles[rank], sp_media_dedup=True,
+                              total_epoch=2)
+    assert not ll.dedup and ll.loader is not None and len(list(ll)) == 2 and len(ll) == 2
+    # A rank outside the group it passes is refused (torch gives it a non-member group).
+    with pytest.raises(spbcast.Error, match="not a member") as info:
+        spbcast.broadcast(None, group=singles[1 - rank], src=1 - rank)
+    assert info.value.code == "invalid_argument"
+    # The group is still usable.
+    assert spbcast.broadcast("ok" if rank == 0 else None) == "ok"
+
+
+def test_failures_on_every_rank():
+    run(2, _failures)
