@@ -173,9 +173,10 @@ TEST_CASE("shared memory: a follower rejects a short, unsealed or out-of-order s
     state.link = std::make_shared<follower_link>(unique_fd(pair[1]));
     solo_group group;
     spbcast::options opts;
-    collective<solo_group> c(group, opts, 1);
+    group_state gstate;
+    collective<solo_group> c(group, opts, gstate, 1);
     std::vector<slot_meta> slots(1);
-    slots[0].bytes = 8192;
+    slots[0].bytes = 8192;  // one transferred slot
     segment_layout layout;
     layout.segment = 5;
     layout.capacity = 64 << 10;

@@ -46,7 +46,7 @@ inline void check_options(const options& opts, int rank, int size) {
 // may use it, by every rank together. Null when the network path is used.
 template <class Group>
 std::shared_ptr<same_host_state> same_host_for(Group& g, const options& opts, group_state& gstate,
-                                               std::uint64_t sequence) {
+                                               std::uint64_t sequence, at::Tensor& early_frame) {
     if (opts.transport == transport_mode::network) return nullptr;
     // A user's own transport cannot be told from a later one at the same address (see
     // same_host_registry): it takes the same-host path only when asked for explicitly.
@@ -54,7 +54,8 @@ std::shared_ptr<same_host_state> same_host_for(Group& g, const options& opts, gr
     auto& registry = same_host_registry::instance();
     auto state = registry.find(&g, opts.root);
     if (!state) {
-        state = same_host_handshake(g, opts, gstate, sequence);
+        state = same_host_handshake(g, opts, gstate, sequence, early_frame);
+        if (!state) return nullptr;  // the root did not offer: this broadcast, the network path
         registry.put(&g, opts.root, state, same_host_registry::owner_of(g));
     }
     if (state->shared) return state;
@@ -93,12 +94,13 @@ void broadcast(T& value, Group&& group, const options& opts = {}) {
                               "before the frame");
     const std::uint64_t sequence = ++state->broadcasts;
     try {
-        const auto same_host = detail::same_host_for(g, opts, *state, sequence);
+        at::Tensor early_frame;  // a follower's: the root sent its frame instead of an offer
+        const auto same_host = detail::same_host_for(g, opts, *state, sequence, early_frame);
         detail::collective<std::remove_reference_t<decltype(g)>> c(g, opts, *state, sequence);
         if (rank == opts.root)
             detail::send(c, value, same_host.get());
         else
-            detail::receive(c, value, same_host.get());
+            detail::receive(c, value, same_host.get(), early_frame);
     } catch (const transport_error&) {
         // The group is unusable: its same-host sockets close now, and segments still mapped by
         // other ranks are never written again.

@@ -30,8 +30,9 @@ namespace spbcast::detail {
 // Receives the frame. Whatever leaves this rank unable to know the rest of the announced
 // sequence (a damaged header or body, a body it cannot even allocate) breaks the group: the
 // next collective could mismatch the root's.
+// `early`: the first message, when the same-host handshake already received it.
 template <class Group>
-std::pair<frame_header, std::vector<std::uint8_t>> receive_frame(collective<Group>& c) {
+std::pair<frame_header, std::vector<std::uint8_t>> receive_frame(collective<Group>& c, at::Tensor early = {}) {
     auto corrupt = [&](const std::string& what, const std::string& phase) {
         c.break_group(errc::corrupt_frame,
                       c.where() + ": received a corrupt frame (" + what +
@@ -39,11 +40,14 @@ std::pair<frame_header, std::vector<std::uint8_t>> receive_frame(collective<Grou
                           "rank cannot tell what follows - restart the job",
                       phase);
     };
-    at::Tensor first = at::empty({static_cast<std::int64_t>(inline_frame_bytes)}, at::kByte);
+    at::Tensor first = early.defined() ? early : at::empty({static_cast<std::int64_t>(inline_frame_bytes)}, at::kByte);
     const auto* in = first.data_ptr<std::uint8_t>();
     frame_header header;
     do {  // keep-alive frames: the root is alive and still producing its batch
-        c.run(first, "frame", c.opts().root_wait_or_timeout());
+        if (early.defined())
+            early = at::Tensor();
+        else
+            c.run(first, "frame", c.opts().root_wait_or_timeout());
         std::memcpy(&header, in, sizeof header);
         if (header.magic != frame_magic) corrupt("bad magic", "frame");
         if (header.header_checksum != header.compute_checksum()) corrupt("header checksum mismatch", "frame");
@@ -337,9 +341,10 @@ inline std::exception_ptr as_spbcast_error(std::exception_ptr failure, const std
 // finds: a batch it refuses (another type or version, its limits, an unknown dtype, no memory,
 // a throwing callback) is drained first and refused afterwards, so the next broadcast works.
 template <class T, class Group>
-void receive(collective<Group>& c, T& value, same_host_state* same_host = nullptr) {
+void receive(collective<Group>& c, T& value, same_host_state* same_host = nullptr,
+             at::Tensor early_frame = {}) {
     const options& opts = c.opts();
-    auto [header, body] = receive_frame(c);
+    auto [header, body] = receive_frame(c, std::move(early_frame));
     const std::vector<slot_meta> slots = announced_slots(c, header, body);
 
     std::exception_ptr refusal;

@@ -421,8 +421,11 @@ inline at::Tensor offer_frame(const handshake_offer& offer, std::uint64_t sequen
     return first;
 }
 
+// A follower's wait for the offer. A root that does not run the handshake now (it broadcasts
+// through another object for the same communicator, which has made its own decision) sends its
+// frame instead: that frame is returned in `frame`, and this broadcast takes the network path.
 template <class Group>
-handshake_offer receive_offer(collective<Group>& c) {
+std::optional<handshake_offer> receive_offer(collective<Group>& c, at::Tensor& frame) {
     at::Tensor first = at::empty({static_cast<std::int64_t>(inline_frame_bytes)}, at::kByte);
     const auto* in = first.data_ptr<std::uint8_t>();
     frame_header header;
@@ -438,20 +441,16 @@ handshake_offer receive_offer(collective<Group>& c) {
             std::memcpy(&offer, in + sizeof header, sizeof offer);
             if (checksum64(&offer, sizeof offer) == header.body_checksum) return offer;
         }
-        // The root sent something else: it does not run this handshake now (other options, or
-        // another spbcast), and this rank cannot tell what follows.
-        c.break_group(errc::out_of_step,
-                      c.where() + ": expected the root's same-host handshake but received " +
-                          (valid ? "a frame with status " + std::to_string(header.status) : std::string("a damaged message")) +
-                          "; pass the same options.transport on every rank and build every rank from the same "
-                          "spbcast release - restart the job",
-                      "same-host handshake: the root's offer");
+        frame = first;  // the root's frame, or a damaged message receive_frame reports
+        return std::nullopt;
     }
 }
 
+// Returns null, with the root's first frame in `early_frame`, when the root sent its frame
+// instead of an offer (see receive_offer); nothing is decided then.
 template <class Group>
 std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options& opts, group_state& gstate,
-                                                     std::uint64_t sequence) {
+                                                     std::uint64_t sequence, at::Tensor& early_frame) {
     const int rank = group.getRank(), size = group.getSize(), root = opts.root;
     auto state = std::make_shared<same_host_state>();
     const host_identity me = host_identity::of_this_process();
@@ -478,10 +477,13 @@ std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options
     options o = opts;
     {
         collective<Group> c(group, o, gstate, sequence);
-        if (rank == root)
+        if (rank == root) {
             c.run(offer_frame(offer, sequence, root), "same-host handshake: the root's offer");
-        else
-            offer = receive_offer(c);
+        } else {
+            auto received = receive_offer(c, early_frame);
+            if (!received) return nullptr;
+            offer = *received;
+        }
     }
 
     std::vector<std::string> reasons;
