@@ -16,7 +16,7 @@ Each is compiled with the exact compiler, flags, defines and include paths of th
 spbcast_bench target of a CMake build tree (ccache bypassed), --runs times; the median wall
 time and the compiler's peak memory are written as JSON and markdown.
 
-  python bench/compile_cost.py --build build/system --out bench/results/compile
+  python bench/compile_cost.py --build build/system --out build/bench-results/compile
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def compile_once(args: list[str], source: pathlib.Path) -> tuple[float, float, i
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--build", default=str(ROOT / "build/system"), help="CMake build tree (default: build/system)")
-    p.add_argument("--out", default=str(ROOT / "bench/results/compile"), help="output folder")
+    p.add_argument("--out", default=str(ROOT / "build/bench-results/compile"), help="output folder")
     p.add_argument("--runs", type=int, default=3, help="compilations per variant (default: 3)")
     args = p.parse_args(argv)
 
@@ -192,7 +192,7 @@ def main(argv=None):
     md = [
         f"### Compile time: one translation unit with {N_TYPES} batch types",
         "",
-        f"{versions}; LibTorch from `{torch_dir}`; flags of the `spbcast_bench` target "
+        f"{versions}; LibTorch {'from the PyTorch wheel' if 'site-packages' in str(torch_dir) else 'from libtorch-dev'}; flags of the `spbcast_bench` target "
         f"(ccache off); median of {args.runs} runs; {doc['cpu_model']}, load average at start "
         f"{doc['loadavg_at_start'][0]:.1f}.",
         "",

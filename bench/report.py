@@ -16,6 +16,10 @@ then merges them, checks issue 5's targets and writes into the results folder:
   results.md     the tables (machine, LibTorch and PyTorch versions and the command in the header)
   results.png    ms per step against world size, per profile and micro-batch count
 
+The results folder is in the build tree (build/bench-results/<full|quick>, or --out). The
+repository keeps only the human-facing summary of a published run, results.md and results.png,
+in bench/results/<run>/ (copied there by hand; no machine paths in either).
+
   python bench/report.py                       # the full grid (see README for the time it takes)
   python bench/report.py --quick               # CI: one small cell, checks, well under a minute
 
@@ -223,6 +227,11 @@ def check_targets(rows: list[dict], bucket_bytes: int, max_in_flight: int = 2) -
 # ---------------------------------------------------------------------------------------------
 # Output
 
+def library_kind(path: str) -> str:
+    """Which LibTorch, without the path of the machine that ran the benchmark."""
+    return "the PyTorch wheel" if "site-packages" in path else "the distribution's libtorch-dev"
+
+
 def markdown(doc: dict) -> str:
     rows, cpp, py = doc["rows"], doc["cpp"], doc.get("python")
     m = cpp["machine"]
@@ -232,7 +241,7 @@ def markdown(doc: dict) -> str:
         f"- Machine: {m['cpu_model']}, {m['usable_cores']} usable cores ({m['logical_cores']} logical), "
         f"{m['mem_total_bytes'] / 2**30:.1f} GiB memory; {doc['platform']}; load average at start "
         f"{m['loadavg_at_start'][0]:.2f} (the cores are shared).",
-        f"- C++: LibTorch {cpp['libtorch']['version']} (`{cpp['libtorch']['library']}`), Gloo on loopback, "
+        f"- C++: LibTorch {cpp['libtorch']['version']} ({library_kind(cpp['libtorch']['library'])}), Gloo on loopback, "
         f"{cpp['config']['threads']} intra-op thread per rank, bucket {fmt_bytes(cpp['config']['bucket_bytes'])}.",
     ]
     if py:
@@ -401,7 +410,7 @@ def main(argv=None):
     p.add_argument("--build", default=None, help="CMake build tree with bench/spbcast_bench (default: build/wheel, else build/system)")
     p.add_argument("--bench", default=None, help="the spbcast_bench binary to run (default: <build>/bench/spbcast_bench)")
     p.add_argument("--label", default=None, help="a note for the table header, e.g. which library patch the binary has")
-    p.add_argument("--out", default=None, help="results folder (default: bench/results/<full|quick>)")
+    p.add_argument("--out", default=None, help="results folder (default: build/bench-results/<full|quick>)")
     p.add_argument("--profiles", default="text,qwen3-vl-image,interns1-tiles,qwen3-vl-video-long")
     p.add_argument("--micro-batches", default="1,4")
     p.add_argument("--world-sizes", default="2,4,8")
@@ -423,7 +432,7 @@ def main(argv=None):
                         "from the results.json in --out")
     args = p.parse_args(argv)
     if args.render_only:
-        out = pathlib.Path(args.out or BENCH / "results/full").resolve()
+        out = pathlib.Path(args.out or BENCH.parent / "build/bench-results/full").resolve()
         doc = json.loads((out / "results.json").read_text())
         doc["targets"] = check_targets(doc["rows"], doc["cpp"]["config"]["bucket_bytes"])
         if (out / "compile_cost.md").exists():
@@ -448,7 +457,8 @@ def main(argv=None):
     bench = pathlib.Path(args.bench).resolve() if args.bench else build / "bench/spbcast_bench"
     if not bench.exists():
         raise SystemExit(f"{bench} not found: build it first (cmake --build {build} --target spbcast_bench)")
-    out = pathlib.Path(args.out).resolve() if args.out else BENCH / "results" / ("quick" if args.quick else "full")
+    out = (pathlib.Path(args.out).resolve() if args.out
+           else BENCH.parent / "build/bench-results" / ("quick" if args.quick else "full"))
     out.mkdir(parents=True, exist_ok=True)
     python = find_python(args.python, build)
     command = "python bench/report.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))

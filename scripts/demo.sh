@@ -5,6 +5,7 @@
 # (try --help); results land in ./demo-out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+./scripts/setup.sh  # installs what is missing; seconds when everything is there
 VENV="${SPBCAST_VENV:-$HOME/.cache/spbcast/venv}"
 torch_dir="$(dirname "$(find /usr/lib -path '*cmake/Torch/TorchConfig.cmake' | head -1)")"
 cmake -S . -B build/system -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$torch_dir" \

@@ -8,6 +8,7 @@
 #   ./scripts/test.sh python       only the Python package
 set -euo pipefail
 cd "$(dirname "$0")/.."
+./scripts/setup.sh  # installs what is missing; seconds when everything is there
 
 VENV="${SPBCAST_VENV:-$HOME/.cache/spbcast/venv}"
 # Lets ccache reuse objects between clones in different folders (CI builds a fresh clone).

@@ -1,10 +1,10 @@
-// Everything spbcast offers. Include only what you use if compile time matters.
+// Everything spbcast offers: the core (core.hpp) and the training layer on top of it - the SP
+// leader-only loader, the RNG mirror, the torch::data adapter and the Gloo/launcher helpers
+// (the CMake target spbcast::spbcast). Include only what you use if compile time matters.
 #pragma once
 
-#include "broadcast.hpp"
-#include "digest.hpp"
+#include "core.hpp"
 #include "dist.hpp"
 #include "loader.hpp"
-#include "receive_cache.hpp"
 #include "rng_mirror.hpp"
 #include "torch_data.hpp"

@@ -9,6 +9,16 @@ execute_process(COMMAND ${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${pr
 if(rc)
   message(FATAL_ERROR "install failed")
 endif()
+# Relocatable: no absolute path in the exported targets, and the package works from elsewhere.
+file(GLOB exported "${prefix}/lib*/cmake/spbcast/spbcastTargets*.cmake")
+foreach(f ${exported})
+  file(READ "${f}" text)
+  if(text MATCHES "\\.so|/usr/lib|site-packages")
+    message(FATAL_ERROR "${f} names a library path of this machine: the package is not relocatable")
+  endif()
+endforeach()
+file(RENAME "${prefix}" "${prefix}-moved")
+set(prefix "${prefix}-moved")
 execute_process(COMMAND ${CMAKE_COMMAND} -S "${SOURCE_DIR}" -B "${consumer_build}"
                         "-DCMAKE_PREFIX_PATH=${prefix}" "-DTorch_DIR=${Torch_DIR}"
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)

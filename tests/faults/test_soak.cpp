@@ -17,6 +17,7 @@
 
 #include <barrier>
 #include <chrono>
+#include <exception>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -271,6 +272,15 @@ TEST_CASE("soak: random batches across 4 ranks arrive identical, and memory stay
     std::barrier sync(world);
     const std::uint64_t every = std::max<std::uint64_t>(steps / 20, 1);
     spbcast_test::run_ranks(world, [&](int rank, auto& group) {
+        // A rank that fails leaves the barrier, so the others reach their own failure (or the
+        // timeout) instead of waiting for it forever.
+        struct leave_on_failure {
+            std::barrier<>& sync;
+            int uncaught = std::uncaught_exceptions();
+            ~leave_on_failure() {
+                if (std::uncaught_exceptions() > uncaught) sync.arrive_and_drop();
+            }
+        } leave{sync};
         for (std::uint64_t step = 1; step <= steps; ++step) {
             {
                 const soak::step_setup s = soak::setup_of(seed, step, world);

@@ -606,10 +606,24 @@ private:
 
     // A root only sends elements of a typed container's type.
     c10::IValue typed(c10::IValue v, const c10::TypePtr& type) {
-        if (type->kind() != c10::TypeKind::AnyType && !v.type()->isSubtypeOf(*type))
-            fail("an IValue of type " + v.type()->annotation_str() + " in a container typed " +
+        if (type->kind() == c10::TypeKind::AnyType) return v;
+        const c10::TypePtr actual = type_of(v);
+        if (!actual->isSubtypeOf(*type))
+            fail("an IValue of type " + actual->annotation_str() + " in a container typed " +
                  type->annotation_str());
         return v;
+    }
+
+    // IValue::type() fails on an undefined tensor (a tensor of unknown kind), also inside a
+    // tuple, whose type it computes from the elements.
+    static c10::TypePtr type_of(const c10::IValue& v) {
+        if (v.isTensor()) return c10::TensorType::get();
+        if (v.isTuple()) {
+            std::vector<c10::TypePtr> elements;
+            for (const auto& e : v.toTupleRef().elements()) elements.push_back(type_of(e));
+            return c10::TupleType::create(std::move(elements));
+        }
+        return v.type();
     }
 
     template <class E, class Read>
