@@ -18,7 +18,9 @@
 //              (the transport's limit);
 //   raw_fresh  the same, but followers allocate the buffer each step, as a receiver of a new
 //              batch must (shows what page faults cost on this machine);
-//   spbcast    spbcast::broadcast(batch, group);
+//   spbcast    spbcast::broadcast(batch, group) over the network path (transport_mode::network);
+//   spbcast_shm  the same over the same-host path (transport_mode::shared_memory): the payload
+//              in a shared segment the followers map, no payload collective;
 //   naive      the metadata serialized into one buffer (its size broadcast, then its bytes),
 //              then one broadcast per distinct tensor;
 //   coalesced  c10d::broadcast_coalesced (LibTorch's own, bucketed per dtype), the shapes given
@@ -81,7 +83,7 @@ namespace {
 using clock_type = std::chrono::steady_clock;
 using gloo_ptr = c10::intrusive_ptr<c10d::ProcessGroupGloo>;
 
-const std::vector<std::string> all_methods = {"raw", "raw_fresh", "spbcast", "naive", "coalesced"};
+const std::vector<std::string> all_methods = {"raw", "raw_fresh", "spbcast", "spbcast_shm", "naive", "coalesced"};
 
 // ---------------------------------------------------------------------------------------------
 // Command line
@@ -133,7 +135,7 @@ std::string join_ints(const std::vector<int>& items) {
     std::cerr
         << "spbcast_bench: " << error << "\n"
         << "usage: spbcast_bench [--world-sizes 2,4,8] [--profiles text,qwen3-vl-image,...]\n"
-           "         [--micro-batches 1,4] [--methods raw,raw_fresh,spbcast,naive,coalesced]\n"
+           "         [--micro-batches 1,4] [--methods raw,raw_fresh,spbcast,spbcast_shm,naive,coalesced]\n"
            "         [--repeats 7] [--warmup 2] [--big-repeats N --big-mib 256] [--seed 0]\n"
            "         [--bucket-mib 16] [--threads 1] [--pg-timeout 300] [--cell-timeout 1200]\n"
            "         [--deadline 14400] [--mem-limit-gib G] [--json out.json] [--rows rows.jsonl]\n"
@@ -713,6 +715,9 @@ void run_cell(rank_context& ctx, const cell& c, std::ofstream* rows) {
     opts.root = 0;
     opts.timeout = ctx.timeout;
     opts.bucket_bytes = cfg.bucket_bytes;
+    opts.transport = spbcast::transport_mode::network;
+    spbcast::options shm_opts = opts;
+    shm_opts.transport = spbcast::transport_mode::shared_memory;
     c10d::BroadcastOptions bopts;
     bopts.rootRank = 0;
     bopts.rootTensor = 0;
@@ -755,6 +760,18 @@ void run_cell(rank_context& ctx, const cell& c, std::ofstream* rows) {
                 } else {
                     m.received.emplace();
                     spbcast::broadcast(*m.received, counted, opts);
+                }
+            };
+        } else if (name == "spbcast_shm") {
+            // The handshake runs once per (group, root), before anything is measured.
+            std::vector<at::Tensor> nothing;
+            spbcast::broadcast(nothing, counted, shm_opts);
+            m.step = [&, &m = m] {
+                if (root) {
+                    spbcast::broadcast(batch, counted, shm_opts);
+                } else {
+                    m.received.emplace();
+                    spbcast::broadcast(*m.received, counted, shm_opts);
                 }
             };
         } else if (name == "naive") {

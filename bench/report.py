@@ -46,13 +46,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 MiB = 2**20
 
-CPP_METHODS = ["raw", "raw_fresh", "spbcast", "naive", "coalesced"]
+CPP_METHODS = ["raw", "raw_fresh", "spbcast", "spbcast_shm", "naive", "coalesced"]
 PY_METHODS = ["pickle", "accelerate", "tensordict", "spbcast-py"]
 MEDIA_PROFILES = ["qwen3-vl-image", "interns1-tiles", "qwen3-vl-video-long"]
 LABELS = {
     "raw": "raw (1 buffer, reused)",
     "raw_fresh": "raw, fresh buffer",
-    "spbcast": "spbcast::broadcast",
+    "spbcast": "spbcast::broadcast (network)",
+    "spbcast_shm": "spbcast::broadcast (same host)",
     "naive": "naive (meta + per tensor)",
     "coalesced": "c10d broadcast_coalesced",
     "pickle": "py: broadcast_object_list",
@@ -364,6 +365,7 @@ def plot(doc: dict, path: pathlib.Path) -> str | None:
     nrows = (len(cells) + ncols - 1) // ncols
     fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 3.6 * nrows), squeeze=False)
     styles = {"raw": ("k", "-", "o"), "raw_fresh": ("0.5", "--", "o"), "spbcast": ("tab:red", "-", "s"),
+              "spbcast_shm": ("tab:cyan", "-", "*"),
               "naive": ("tab:blue", "-", "^"), "coalesced": ("tab:green", "-", "v"),
               "pickle": ("tab:purple", ":", "x"), "accelerate": ("tab:orange", ":", "D"),
               "tensordict": ("tab:brown", ":", "P"), "spbcast-py": ("tab:pink", "-", "*")}

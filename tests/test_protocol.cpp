@@ -101,6 +101,10 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 
 }  // namespace
 
+// What a follower allocates and a root packs happens on the network path only (the same-host
+// path maps the root's segment and packs before the frame), so these tests take it.
+static const spbcast::options network_path{.transport = spbcast::transport_mode::network};
+
 TEST_CASE("a follower whose own limits refuse the batch drains it, raises, and the next broadcast works") {
     struct Case {
         const char* name;
@@ -156,13 +160,13 @@ TEST_CASE("a follower that cannot allocate the batch drains it, raises, and the 
         if (rank == 1) refusing_allocator::arm(bytes, 1);
         std::exception_ptr first;
         try {
-            spbcast::broadcast(t, group);
+            spbcast::broadcast(t, group, network_path);
         } catch (const spbcast::error&) {
             first = std::current_exception();
         }
         refusing_allocator::disarm();
         at::Tensor again = rank == 0 ? make() : at::Tensor();
-        spbcast::broadcast(again, group);
+        spbcast::broadcast(again, group, network_path);
         require_identical(make(), again);
         if (first) std::rethrow_exception(first);
     }, 10s);
@@ -202,14 +206,14 @@ TEST_CASE("a root that fails mid-payload completes the announced collectives; fo
         const auto start = std::chrono::steady_clock::now();
         std::exception_ptr first;
         try {
-            spbcast::broadcast(batch, group, {.timeout = 20s});
+            spbcast::broadcast(batch, group, {.timeout = 20s, .transport = spbcast::transport_mode::network});
         } catch (const spbcast::error&) {
             first = std::current_exception();
         }
         seconds[rank] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         refusing_allocator::disarm();
         std::vector<at::Tensor> again = rank == 0 ? make() : std::vector<at::Tensor>{};
-        spbcast::broadcast(again, group);
+        spbcast::broadcast(again, group, network_path);
         require_identical(make(), again);
         if (first) std::rethrow_exception(first);
     }, 30s);

@@ -21,13 +21,15 @@ Media make_media(int64_t step) {
                  at::arange(step, step + 64, at::kInt).remainder(2).to(at::kBool)};
 }
 
-// Broadcasts `steps` batches from rank 0 to rank 1; `follower` sees each one rank 1 received.
+// Broadcasts `steps` batches from rank 0 to rank 1 over the network path (the receive cache is
+// its memory; the same-host path maps the root's segments instead); `follower` sees each one
+// rank 1 received.
 template <class Follower>
 void two_ranks(int steps, Follower follower) {
     run_ranks(2, [&](int rank, auto& group) {
         for (int step = 0; step < steps; ++step) {
             Media batch = rank == 0 ? make_media(step) : Media{};
-            spbcast::broadcast(batch, group);
+            spbcast::broadcast(batch, group, {.transport = spbcast::transport_mode::network});
             if (rank == 1) follower(step, batch);
         }
     });
@@ -92,7 +94,7 @@ TEST_CASE("small broadcasts between big ones do not evict the blocks the next bi
         for (int step = 0; step < 2; ++step) {
             {
                 Media batch = rank == 0 ? make_media(step) : Media{};
-                spbcast::broadcast(batch, group);
+                spbcast::broadcast(batch, group, {.transport = spbcast::transport_mode::network});
                 if (rank == 1) require_identical(make_media(step), batch);
             }
             if (step == 0 && rank == 1) {
@@ -103,7 +105,7 @@ TEST_CASE("small broadcasts between big ones do not evict the blocks the next bi
             // A loader's envelope, a metrics broadcast: small, between two big batches.
             for (int small = 0; small < 3; ++small) {
                 std::pair<int64_t, at::Tensor> metrics{small, at::full({16}, small)};
-                spbcast::broadcast(metrics, group);
+                spbcast::broadcast(metrics, group, {.transport = spbcast::transport_mode::network});
             }
         }
     });
@@ -123,7 +125,7 @@ TEST_CASE("a small tensor a follower keeps pins memory in proportion to itself, 
     at::Tensor kept;
     run_ranks(2, [&](int rank, auto& group) {
         std::vector<at::Tensor> batch = rank == 0 ? make() : std::vector<at::Tensor>{};
-        spbcast::broadcast(batch, group);
+        spbcast::broadcast(batch, group, {.transport = spbcast::transport_mode::network});
         if (rank == 1) kept = batch[3];
     });
     REQUIRE(kept.defined());

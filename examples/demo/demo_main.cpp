@@ -629,6 +629,8 @@ int run_demo(const DemoOptions& o) {
         "--model-iters", std::to_string(info.model_iters), "--model-ms", fixed(o.model_ms, 3),
         "--timeout", std::to_string(o.timeout_s), "--out", o.out.string()};
     if (o.persistent_workers) common.push_back("--persistent-workers");
+    common.push_back("--transport");
+    common.push_back(o.transport);
     if (o.receive_cache_mib >= 0) {
         common.push_back("--receive-cache-mib");
         common.push_back(std::to_string(o.receive_cache_mib));

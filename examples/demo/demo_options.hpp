@@ -39,6 +39,7 @@ struct DemoOptions {
     int workers = 2;
     bool persistent_workers = false;
     int64_t receive_cache_mib = -1;  // followers' spbcast receive cache; -1: the library default
+    std::string transport = "auto";  // dedup's broadcasts: auto (same host where possible) or network
 
     // The simulated model step: model_ms of single-thread matmul work, turned into a fixed
     // number of matmuls (model_iters) that is the same on every rank and in every arm.
@@ -106,6 +107,7 @@ options:
   --workers W             loader worker threads per loader (default 2)
   --persistent-workers    keep a loader's workers across epochs
   --receive-cache-mib N   followers' spbcast receive cache limit (0: off; default: the library's)
+  --transport T           dedup's broadcasts: auto (the same-host path where possible, default) or network
   --model-ms MS           simulated model step: MS ms of single-thread matmul (default 60)
   --out DIR               results folder (default ./demo-out)
   --cache DIR             media cache folder (default $TMPDIR/spbcast-demo-media)
@@ -201,6 +203,10 @@ inline DemoOptions parse_options(int argc, char** argv) {
         else if (arg == "--micro-batches") o.micro_batches = static_cast<int>(parse_integer(arg, value(), 1));
         else if (arg == "--workers") o.workers = static_cast<int>(parse_integer(arg, value(), 0));
         else if (arg == "--receive-cache-mib") o.receive_cache_mib = parse_integer(arg, value(), 0);
+        else if (arg == "--transport") {
+            o.transport = value();
+            if (o.transport != "auto" && o.transport != "network") throw UsageError("--transport is auto or network, got '" + o.transport + "'");
+        }
         else if (arg == "--persistent-workers") o.persistent_workers = true;
         else if (arg == "--model-ms") o.model_ms = detail::parse_number(arg, value());
         else if (arg == "--model-iters") o.model_iters = parse_integer(arg, value(), 0);

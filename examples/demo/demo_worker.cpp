@@ -252,7 +252,10 @@ int run_worker(const DemoOptions& o) {
         {
             const spbcast::loader_config cfg{.sp_media_dedup = dedup,
                                              .total_step = o.steps,
-                                             .timeout = timeout};
+                                             .timeout = timeout,
+                                             .transport = o.transport == "network"
+                                                              ? spbcast::transport_mode::network
+                                                              : spbcast::transport_mode::automatic};
             const int64_t build_start = now_ns();
             auto loader = spbcast::make_leader_loader(cfg, layout.sp_group, 1, [&] {
                 return std::make_unique<MediaLoader>(o.pipeline(layout.dp_rank, layout.dp_size));

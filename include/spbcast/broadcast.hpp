@@ -14,11 +14,13 @@
 #include "detail/group_state.hpp"
 #include "detail/receive.hpp"
 #include "detail/send.hpp"
+#include "detail/shm_channel.hpp"
 #include "error.hpp"
 #include "group.hpp"
 #include "options.hpp"
 #include "receive_cache.hpp"
 #include "schema.hpp"
+#include "shared_memory.hpp"
 
 #include <ATen/ATen.h>
 
@@ -38,6 +40,34 @@ inline void check_options(const options& opts, int rank, int size) {
     if (opts.timeout.count() <= 0) bad("options.timeout must be positive");
     if (opts.root_wait.count() < 0) bad("options.root_wait must not be negative");
     if (opts.bucket_bytes == 0) bad("options.bucket_bytes must be positive");
+}
+
+// The same-host state of (group, root): decided by the handshake on the first broadcast that
+// may use it, by every rank together. Null when the network path is used.
+template <class Group>
+std::shared_ptr<same_host_state> same_host_for(Group& g, const options& opts, group_state& gstate,
+                                               std::uint64_t sequence, at::Tensor& early_frame) {
+    if (opts.transport == transport_mode::network) return nullptr;
+    // A user's own transport cannot be told from a later one at the same address (see
+    // same_host_registry): it takes the same-host path only when asked for explicitly.
+    if (opts.transport == transport_mode::automatic && !same_host_registry::tracked<Group>) return nullptr;
+    auto& registry = same_host_registry::instance();
+    auto state = registry.find(&g, opts.root);
+    if (!state) {
+        state = same_host_handshake(g, opts, gstate, sequence, early_frame);
+        if (!state) return nullptr;  // the root did not offer: this broadcast, the network path
+        registry.put(&g, opts.root, state, same_host_registry::owner_of(g));
+    }
+    if (state->shared) return state;
+    if (opts.transport == transport_mode::shared_memory)
+        throw error(errc::invalid_argument,
+                    "spbcast: rank " + std::to_string(g.getRank()) + ": broadcast #" + std::to_string(sequence) +
+                        " from root " + std::to_string(opts.root) +
+                        ": options.transport = shared_memory, but the same-host path cannot be used "
+                        "in this group (" + state->why_not +
+                        "); run every rank of the group on one host, as one user, in one network "
+                        "namespace, or use transport_mode::automatic to fall back to the network");
+    return nullptr;
 }
 
 }  // namespace detail
@@ -62,11 +92,21 @@ void broadcast(T& value, Group&& group, const options& opts = {}) {
                                   "on this rank, so no collective is issued on it: " +
                                   state->broken_cause,
                               "before the frame");
-    detail::collective<std::remove_reference_t<decltype(g)>> c(g, opts, *state, ++state->broadcasts);
-    if (rank == opts.root)
-        detail::send(c, value);
-    else
-        detail::receive(c, value);
+    const std::uint64_t sequence = ++state->broadcasts;
+    try {
+        at::Tensor early_frame;  // a follower's: the root sent its frame instead of an offer
+        const auto same_host = detail::same_host_for(g, opts, *state, sequence, early_frame);
+        detail::collective<std::remove_reference_t<decltype(g)>> c(g, opts, *state, sequence);
+        if (rank == opts.root)
+            detail::send(c, value, same_host.get());
+        else
+            detail::receive(c, value, same_host.get(), early_frame);
+    } catch (const transport_error&) {
+        // The group is unusable: its same-host sockets close now, and segments still mapped by
+        // other ranks are never written again.
+        detail::same_host_registry::instance().drop(&g, opts.root);
+        throw;
+    }
 }
 
 }  // namespace spbcast

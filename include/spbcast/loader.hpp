@@ -43,6 +43,8 @@ struct loader_config {
     // batch is not a failure: it tells the followers it is still working (keep_alive.hpp), and
     // they wait for it as a BASE rank waits for its own loader.
     std::chrono::milliseconds timeout = std::chrono::minutes(5);
+    // How batches travel: the same-host path where the SP group shares a host (README).
+    transport_mode transport = transport_mode::automatic;
 };
 
 template <class L>
@@ -302,7 +304,7 @@ public:
 private:
     using pass_type = decltype(std::declval<Loader&>().begin());
 
-    options broadcast_options() const { return {.root = 0, .timeout = cfg_.timeout}; }
+    options broadcast_options() const { return {.root = 0, .timeout = cfg_.timeout, .transport = cfg_.transport}; }
 
     std::string where() const {
         return "spbcast: SP rank " + std::to_string(sp_rank_) + " (leader_loader)";

@@ -20,6 +20,15 @@ struct limits {
     std::size_t max_depth = 512;                              // nesting of dynamic IValues
 };
 
+// How the payload travels (README: "The same-host path").
+enum class transport_mode {
+    // Shared memory when every rank of the group is on this host and the handshake succeeds,
+    // the network path otherwise; decided by every rank together, once per (group, root).
+    automatic,
+    network,        // always over the group's own collectives
+    shared_memory,  // shared memory or a spbcast::error on every rank saying why it cannot
+};
+
 struct options {
     int root = 0;  // group rank of the sender
     // Bounds every wait of the broadcast; a dead or stuck peer becomes spbcast::transport_error.
@@ -36,6 +45,7 @@ struct options {
     // Adds one small collective after the payload that carries a checksum per transfer slot;
     // followers verify it and raise errc::payload_corrupt on a mismatch.
     bool checksum = false;
+    transport_mode transport = transport_mode::automatic;
     spbcast::limits limits = {};
 
     std::chrono::milliseconds root_wait_or_timeout() const {

@@ -16,8 +16,13 @@ inline constexpr std::uint16_t format_version = 2;
 inline constexpr std::size_t inline_frame_bytes = 8192;  // header + first body bytes
 
 // keep_alive: the root is still producing its batch; the real frame follows (keep_alive.hpp).
-enum class frame_status : std::uint16_t { ok = 0, error = 1, keep_alive = 2 };
-enum frame_flags : std::uint32_t { checksum_trailer = 1 };  // the status trailer carries checksums
+// same_host_offer: the first message of the same-host handshake (shm_channel.hpp), shaped like a
+// frame so that a follower receives it after any keep-alive frames, as it would a frame.
+enum class frame_status : std::uint16_t { ok = 0, error = 1, keep_alive = 2, same_host_offer = 3 };
+// checksum_trailer: the status trailer carries checksums. shared_segment: the transferred slots
+// lie in a shared-memory segment (same_host.hpp) described after the slot table, and travel in
+// no collective; the status trailer still ends the broadcast.
+enum frame_flags : std::uint32_t { checksum_trailer = 1, shared_segment = 2 };
 
 struct frame_header {
     std::uint32_t magic = frame_magic;

@@ -9,6 +9,7 @@
 #include "bytes.hpp"
 #include "collective.hpp"
 #include "frame.hpp"
+#include "same_host.hpp"
 #include "tensor_plan.hpp"
 #include "value_codec.hpp"
 
@@ -29,8 +30,9 @@ namespace spbcast::detail {
 // Receives the frame. Whatever leaves this rank unable to know the rest of the announced
 // sequence (a damaged header or body, a body it cannot even allocate) breaks the group: the
 // next collective could mismatch the root's.
+// `early`: the first message, when the same-host handshake already received it.
 template <class Group>
-std::pair<frame_header, std::vector<std::uint8_t>> receive_frame(collective<Group>& c) {
+std::pair<frame_header, std::vector<std::uint8_t>> receive_frame(collective<Group>& c, at::Tensor early = {}) {
     auto corrupt = [&](const std::string& what, const std::string& phase) {
         c.break_group(errc::corrupt_frame,
                       c.where() + ": received a corrupt frame (" + what +
@@ -38,11 +40,14 @@ std::pair<frame_header, std::vector<std::uint8_t>> receive_frame(collective<Grou
                           "rank cannot tell what follows - restart the job",
                       phase);
     };
-    at::Tensor first = at::empty({static_cast<std::int64_t>(inline_frame_bytes)}, at::kByte);
+    at::Tensor first = early.defined() ? early : at::empty({static_cast<std::int64_t>(inline_frame_bytes)}, at::kByte);
     const auto* in = first.data_ptr<std::uint8_t>();
     frame_header header;
     do {  // keep-alive frames: the root is alive and still producing its batch
-        c.run(first, "frame", c.opts().root_wait_or_timeout());
+        if (early.defined())
+            early = at::Tensor();
+        else
+            c.run(first, "frame", c.opts().root_wait_or_timeout());
         std::memcpy(&header, in, sizeof header);
         if (header.magic != frame_magic) corrupt("bad magic", "frame");
         if (header.header_checksum != header.compute_checksum()) corrupt("header checksum mismatch", "frame");
@@ -125,7 +130,7 @@ std::vector<std::uint8_t> drain_payload(collective<Group>& c, const frame_header
     const std::uint64_t trailer_size = announced_trailer_bytes(header);
     at::Tensor scratch, trailer;
     try {
-        const std::uint64_t largest = drain_scratch_bytes(slots);
+        const std::uint64_t largest = (header.flags & shared_segment) ? 0 : drain_scratch_bytes(slots);
         if (largest > c.opts().limits.max_payload_bytes)
             throw std::length_error("a slot of " + std::to_string(largest) +
                                     " bytes exceeds limits.max_payload_bytes = " +
@@ -138,7 +143,8 @@ std::vector<std::uint8_t> drain_payload(collective<Group>& c, const frame_header
                           "); the group is out of step - restart the job",
                       "draining");
     }
-    for (std::size_t i = 0; i < slots.size(); ++i)
+    const bool in_segment = header.flags & shared_segment;  // no payload collective then
+    for (std::size_t i = 0; i < slots.size() && !in_segment; ++i)
         if (!slots[i].in_frame)
             c.launch(scratch.narrow(0, 0, static_cast<std::int64_t>(slots[i].bytes)),
                      "draining payload slot " + std::to_string(i + 1));
@@ -196,6 +202,8 @@ inline std::string schema_difference(std::string_view local, std::string_view ro
 struct parsed_frame {
     receive_plan plan;
     std::size_t values_offset = 0, values_size = 0;
+    // Where the transferred slots lie when they came in a shared segment.
+    std::optional<segment_layout> segment;
     // Set when this rank cannot use the batch (schema or version mismatch): the payload is
     // drained first, then this is thrown.
     std::exception_ptr mismatch;
@@ -220,6 +228,7 @@ parsed_frame parse_frame(const frame_header& header, const std::vector<std::uint
     parsed_frame frame;
     frame.plan.read_slot_table(in);
     if (transferred_slot_count(frame.plan.slots()) != header.slot_count) in.fail("slot count differs from the header");
+    if (header.flags & shared_segment) frame.segment = segment_layout::read(in, frame.plan.slots());
     if (header.version != format_version) {
         frame.mismatch = std::make_exception_ptr(error(
             errc::version_mismatch,
@@ -332,14 +341,20 @@ inline std::exception_ptr as_spbcast_error(std::exception_ptr failure, const std
 // finds: a batch it refuses (another type or version, its limits, an unknown dtype, no memory,
 // a throwing callback) is drained first and refused afterwards, so the next broadcast works.
 template <class T, class Group>
-void receive(collective<Group>& c, T& value) {
+void receive(collective<Group>& c, T& value, same_host_state* same_host = nullptr,
+             at::Tensor early_frame = {}) {
     const options& opts = c.opts();
-    auto [header, body] = receive_frame(c);
+    auto [header, body] = receive_frame(c, std::move(early_frame));
     const std::vector<slot_meta> slots = announced_slots(c, header, body);
 
     std::exception_ptr refusal;
     std::optional<parsed_frame> frame;
+    // The root handed the segment over before the frame: taken off the socket first, so the
+    // socket stays in step whatever this rank does with the batch; released unless mapped.
+    std::optional<segment_delivery> delivery;
+    std::vector<at::Tensor> segment_slots;
     try {
+        if (header.flags & shared_segment) delivery = take_segment(c, same_host);
         std::exception_ptr disagreement;
         try {
             check_agreement(c, header);
@@ -360,11 +375,15 @@ void receive(collective<Group>& c, T& value) {
             refusal = disagreement;
         else if (unusable)
             refusal = unusable;
-        else
+        else if (frame->segment) {
+            segment_slots = map_segment(c, *delivery, *frame->segment, slots, header.sequence);
+            frame->plan.adopt_slots(segment_slots);
+        } else
             frame->plan.allocate();
     } catch (...) {
         refusal = as_spbcast_error(std::current_exception(), c.where());
     }
+    delivery.reset();
     if (refusal) {
         const std::vector<std::uint8_t> trailer = drain_payload(c, header, slots);
         read_trailer(header, trailer, c.where(), static_cast<int>(header.root));  // the root's error first
@@ -376,7 +395,12 @@ void receive(collective<Group>& c, T& value) {
     at::Tensor trailer = at::empty({static_cast<std::int64_t>(trailer_size)}, at::kByte);
     std::vector<std::uint64_t> checksums(header.slot_count);
     std::uint32_t received = 0;
-    for (std::uint32_t i = 0; i < slots.size(); ++i) {
+    if (frame->segment)  // in place already; only checksums to compute
+        for (std::uint32_t i = 0, k = 0; i < slots.size(); ++i)
+            if (!slots[i].in_frame && opts.checksum)
+                checksums[k++] = checksum64(segment_slots[i].data_ptr(), static_cast<std::size_t>(segment_slots[i].numel()));
+    segment_slots.clear();
+    for (std::uint32_t i = 0; i < slots.size() && !frame->segment; ++i) {
         if (slots[i].in_frame) continue;
         at::Tensor buffer = plan.slot_receive_tensor(i);
         const std::uint32_t k = received++;

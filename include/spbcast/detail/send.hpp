@@ -8,6 +8,7 @@
 #include "bytes.hpp"
 #include "collective.hpp"
 #include "frame.hpp"
+#include "same_host.hpp"
 #include "tensor_plan.hpp"
 #include "value_codec.hpp"
 
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -45,19 +47,28 @@ void send_frame(collective<Group>& c, frame_header header, const std::vector<std
 }
 
 template <class Group>
-void send_payload(collective<Group>& c, const send_plan& plan, const frame_header& header);
+void send_payload(collective<Group>& c, const send_plan& plan, const frame_header& header,
+                  const segment_layout* layout);
 
+// `same_host`: the (group, root) chose the same-host path; the transferred slots then go into a
+// shared segment before the frame is sent, and only the status trailer follows the frame.
 template <class T, class Group>
-void send(collective<Group>& c, const T& value) {
+void send(collective<Group>& c, const T& value, same_host_state* same_host = nullptr) {
     const options& opts = c.opts();
     send_plan plan;
     byte_writer body;
     byte_writer values;
     encoder enc(values, plan, opts.limits);
+    std::optional<segment_layout> layout;
     try {
         enc.value(value);
         plan.finish(opts);
+        if (same_host) {
+            plan.keep_frame_within(inline_body_bytes / 2);
+            layout = place_payload(*same_host, plan, c.sequence(), opts.checksum);
+        }
         plan.write_slot_table(body);
+        if (layout) layout->write(body);
         body.put_string(schema_of<T>);
         body.put<std::uint64_t>(values.size());
         body.put_bytes(values.bytes().data(), values.size());
@@ -82,6 +93,8 @@ void send(collective<Group>& c, const T& value) {
         error_body.put_string(std::string_view(message).substr(0, max_error_message_bytes));
         frame_header header;
         header.status = static_cast<std::uint16_t>(frame_status::error);
+        // Followers were handed the segment already: they take it off their socket and let go.
+        header.flags = layout ? shared_segment : 0;
         header.fingerprint = fingerprint_of<T>;
         send_frame(c, header, error_body.bytes());
         c.wait_all();
@@ -92,9 +105,9 @@ void send(collective<Group>& c, const T& value) {
     header.fingerprint = fingerprint_of<T>;
     header.payload_bytes = plan.payload_bytes();
     header.slot_count = transferred_slot_count(plan.slots());
-    header.flags = opts.checksum ? checksum_trailer : 0;
+    header.flags = (opts.checksum ? checksum_trailer : 0) | (layout ? shared_segment : 0);
     send_frame(c, header, body.bytes());
-    send_payload(c, plan, header);
+    send_payload(c, plan, header, layout ? &*layout : nullptr);
 }
 
 // Sends every announced slot and the status trailer. Packing a bucket can still fail here (an
@@ -102,7 +115,8 @@ void send(collective<Group>& c, const T& value) {
 // error, so followers finish the sequence the header announced and raise the root's message at
 // once, and the group stays in step.
 template <class Group>
-void send_payload(collective<Group>& c, const send_plan& plan, const frame_header& header) {
+void send_payload(collective<Group>& c, const send_plan& plan, const frame_header& header,
+                  const segment_layout* layout) {
     const auto& slots = plan.slots();
     if (!has_trailer(header.slot_count)) {
         c.wait_all();
@@ -114,7 +128,8 @@ void send_payload(collective<Group>& c, const send_plan& plan, const frame_heade
     errc failure_code = errc::unsupported_value;
     at::Tensor zeros;  // stands in for the slots after a failure
     std::uint32_t sent = 0;
-    for (std::uint32_t i = 0; i < slots.size(); ++i) {
+    if (layout) checksums = layout->checksums;  // the slots are in the segment, packed already
+    for (std::uint32_t i = 0; i < slots.size() && !layout; ++i) {
         if (slots[i].in_frame) continue;
         const std::string phase = "payload slot " + std::to_string(++sent) + "/" + std::to_string(header.slot_count);
         at::Tensor slot;

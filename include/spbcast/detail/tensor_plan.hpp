@@ -278,6 +278,17 @@ public:
             for (slot_meta& slot : slots_) slot.in_frame = !slot.in_place;
     }
 
+    // The same-host path: buckets ride in the frame only while they fit `budget` (the frame then
+    // stays one message); larger ones go into the shared segment, which costs no copy through a
+    // socket per follower.
+    void keep_frame_within(std::uint64_t budget) {
+        std::uint64_t in_frame = 0;
+        for (const slot_meta& slot : slots_)
+            if (slot.in_frame) in_frame += slot.bytes;
+        if (in_frame > budget)
+            for (slot_meta& slot : slots_) slot.in_frame = false;
+    }
+
     // The bytes of the slots that travel in the frame, after the tables. Packed before the
     // header is sent, so a failure here is an error frame.
     void write_frame_payload(byte_writer& out) const {
@@ -324,7 +335,19 @@ public:
                                  [keep = source.storage](void*) {}, at::kByte);
         }
         at::Tensor bucket = at::empty({static_cast<std::int64_t>(slot.bytes)}, at::kByte);
-        auto* out = bucket.data_ptr<std::uint8_t>();
+        pack_slot(i, bucket.data_ptr<std::uint8_t>());
+        return bucket;
+    }
+
+    // Writes the bytes of slot `i` to `out` (slot.bytes of them): the storage's span for an
+    // in-place slot, the packed bucket otherwise.
+    void pack_slot(std::uint32_t i, std::uint8_t* out) const {
+        const slot_meta& slot = slots_[i];
+        if (slot.in_place) {
+            const storage_source& source = sources_[slot.storages.front()];
+            std::memcpy(out, source.base + source.lo, slot.bytes);
+            return;
+        }
         for (std::uint32_t s : slot.storages) {
             const storage_meta& storage = storages_[s];
             const storage_source& source = sources_[s];
@@ -341,7 +364,6 @@ public:
                 at::from_blob(out + offset, src.sizes(), src.options()).copy_(src);
             });
         }
-        return bucket;
     }
 
     const std::vector<slot_meta>& slots() const { return slots_; }
@@ -508,6 +530,37 @@ public:
         }
         for (std::uint32_t s = 0; s < storages_.size(); ++s)
             if (!storage_data_[s].defined()) storage_data_[s] = memory.allocate(storages_[s].nbytes);
+    }
+
+    // The same-host path: transferred slot `i` already lies in `slot_data[i]` (a mapping of the
+    // root's segment). In-place storages and large spans in a bucket are those bytes, with no
+    // copy; small spans are copied out (as allocate() does, so a small tensor kept alive pins
+    // no segment), gathered storages get memory of their own. Slots in the frame get buckets
+    // of their own, filled from the body like on the network path.
+    void adopt_slots(std::vector<at::Tensor> slot_data) {
+        auto& memory = receive_memory::instance();
+        storage_data_.assign(storages_.size(), at::Tensor());
+        bucket_data_ = std::move(slot_data);
+        bucket_data_.resize(slots_.size());
+        for (std::uint32_t i = 0; i < slots_.size(); ++i) {
+            const slot_meta& slot = slots_[i];
+            if (slot.in_frame) bucket_data_[i] = memory.allocate(slot.bytes);
+            if (slot.in_place) {
+                storage_data_[slot.storages.front()] = bucket_data_[i];
+                continue;
+            }
+            for (std::uint32_t s : slot.storages) {
+                storage_meta& storage = storages_[s];
+                if (storage.gather) continue;
+                storage.copied_out = storage.nbytes < slot.bytes / 4;
+                if (!storage.copied_out)
+                    storage_data_[s] = storage_within(bucket_data_[i], storage.slot_offset, storage.nbytes);
+            }
+        }
+        for (std::uint32_t s = 0; s < storages_.size(); ++s)
+            if (!storage_data_[s].defined()) storage_data_[s] = memory.allocate(storages_[s].nbytes);
+        for (std::uint32_t i = 0; i < slots_.size(); ++i)
+            if (!slots_[i].in_frame) unpack_slot(i);
     }
 
     // Where slot `i` is received: straight into its storage when in place, else its bucket.

@@ -1,0 +1,191 @@
+// Shared-memory segments of the same-host path: anonymous memfds sealed against shrinking and
+// growing, mapped shared on the root (which fills them) and private on followers.
+//
+// Why these choices:
+// - memfd_create has no name in any file system, so a SIGKILL anywhere leaks nothing: the
+//   kernel frees the pages when the last descriptor and mapping go. It does not use /dev/shm,
+//   so a container's small /dev/shm does not limit it.
+// - F_SEAL_SHRINK|F_SEAL_GROW fix the size for every holder, so a mapping that was checked
+//   against fstat can never reach past the end of the file and SIGBUS. F_SEAL_SEAL stops
+//   anyone from changing the seals afterwards. Followers check both before mapping.
+// - The root reserves the pages with fallocate when it creates a segment: out of memory (a
+//   memory cgroup too small) is then an error the root can answer by using the network path,
+//   never a SIGBUS on its first write.
+// - Followers map MAP_PRIVATE: reads share the root's pages, a write copies only the page
+//   written and stays private to that rank. Never MAP_POPULATE (on a private writable mapping
+//   it would copy every page); MADV_POPULATE_READ maps the shared pages without copying.
+#pragma once
+
+#include "../error.hpp"
+
+#include <fcntl.h>
+#include <linux/falloc.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#ifndef MFD_CLOEXEC
+#define MFD_CLOEXEC 0x0001U
+#endif
+#ifndef MFD_ALLOW_SEALING
+#define MFD_ALLOW_SEALING 0x0002U
+#endif
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+
+namespace spbcast::detail {
+
+inline constexpr int required_seals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+inline constexpr std::size_t segment_page = 4096;
+
+inline std::string errno_text(int err) { return std::string(std::strerror(err)); }
+
+// An owned file descriptor.
+class unique_fd {
+public:
+    unique_fd() = default;
+    explicit unique_fd(int fd) : fd_(fd) {}
+    unique_fd(unique_fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+    unique_fd& operator=(unique_fd&& o) noexcept {
+        if (this != &o) {
+            reset();
+            fd_ = std::exchange(o.fd_, -1);
+        }
+        return *this;
+    }
+    unique_fd(const unique_fd&) = delete;
+    unique_fd& operator=(const unique_fd&) = delete;
+    ~unique_fd() { reset(); }
+    void reset(int fd = -1) {
+        if (fd_ >= 0) ::close(fd_);
+        fd_ = fd;
+    }
+    int get() const { return fd_; }
+    int release() { return std::exchange(fd_, -1); }
+    explicit operator bool() const { return fd_ >= 0; }
+
+private:
+    int fd_ = -1;
+};
+
+inline int memfd_create_compat(const char* name, unsigned flags) {
+#if defined(SYS_memfd_create)
+    return static_cast<int>(::syscall(SYS_memfd_create, name, flags));
+#else
+    errno = ENOSYS;
+    return -1;
+#endif
+}
+
+// A root-side segment: a sealed memfd of `capacity` bytes, mapped shared for filling.
+class shm_segment {
+public:
+    shm_segment() = default;
+    shm_segment(const shm_segment&) = delete;
+    shm_segment& operator=(const shm_segment&) = delete;
+    shm_segment(shm_segment&& o) noexcept
+        : fd_(std::move(o.fd_)), data_(std::exchange(o.data_, nullptr)),
+          capacity_(std::exchange(o.capacity_, 0)) {}
+    shm_segment& operator=(shm_segment&& o) noexcept {
+        if (this != &o) {
+            unmap();
+            fd_ = std::move(o.fd_);
+            data_ = std::exchange(o.data_, nullptr);
+            capacity_ = std::exchange(o.capacity_, 0);
+        }
+        return *this;
+    }
+    ~shm_segment() { unmap(); }
+
+    // Creates and seals a segment; on any failure (no memfd, no sealing, out of memory) the
+    // reason, so the caller can use the network path instead.
+    static shm_segment create(std::size_t capacity, std::string& why_not) {
+        shm_segment s;
+        capacity = (capacity + segment_page - 1) / segment_page * segment_page;
+        unique_fd fd(memfd_create_compat("spbcast", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+        if (!fd) {
+            why_not = "memfd_create failed: " + errno_text(errno);
+            return s;
+        }
+        if (::ftruncate(fd.get(), static_cast<off_t>(capacity)) != 0) {
+            why_not = "ftruncate failed: " + errno_text(errno);
+            return s;
+        }
+        // Reserve every page now: running out of memory is an error here, not a SIGBUS later.
+        if (capacity != 0) {
+            if (int err = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(capacity)); err != 0) {
+                why_not = "cannot reserve " + std::to_string(capacity) + " bytes of shared memory: " +
+                          errno_text(err);
+                return s;
+            }
+        }
+        if (::fcntl(fd.get(), F_ADD_SEALS, required_seals) != 0) {
+            why_not = "sealing the memfd failed: " + errno_text(errno);
+            return s;
+        }
+        void* data = nullptr;
+        if (capacity != 0) {
+            data = ::mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+            if (data == MAP_FAILED) {
+                why_not = "mmap failed: " + errno_text(errno);
+                return s;
+            }
+        }
+        s.fd_ = std::move(fd);
+        s.data_ = data;
+        s.capacity_ = capacity;
+        return s;
+    }
+
+    explicit operator bool() const { return static_cast<bool>(fd_); }
+    int fd() const { return fd_.get(); }
+    std::uint8_t* data() const { return static_cast<std::uint8_t*>(data_); }
+    std::size_t capacity() const { return capacity_; }
+
+private:
+    void unmap() {
+        if (data_) ::munmap(data_, capacity_);
+        data_ = nullptr;
+    }
+
+    unique_fd fd_;
+    void* data_ = nullptr;
+    std::size_t capacity_ = 0;
+};
+
+// Checks a segment descriptor a follower received: sealed against shrinking and growing, and
+// exactly `capacity` bytes. Returns what is wrong, or an empty string.
+inline std::string check_received_segment(int fd, std::uint64_t capacity) {
+    const int seals = ::fcntl(fd, F_GET_SEALS);
+    if (seals < 0) return "the descriptor is not a sealable memfd (" + errno_text(errno) + ")";
+    if ((seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW))
+        return "the segment is not sealed against shrinking and growing";
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) return "fstat failed: " + errno_text(errno);
+    if (static_cast<std::uint64_t>(st.st_size) != capacity)
+        return "the segment holds " + std::to_string(st.st_size) + " bytes, the frame announced " +
+               std::to_string(capacity);
+    return {};
+}
+
+// A follower's private mapping of the first `bytes` of a checked segment; nullptr and errno
+// on failure. The pages stay shared with the root until this rank writes to one.
+inline void* map_private(int fd, std::size_t bytes) {
+    if (bytes == 0) return nullptr;
+    void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+    if (data == MAP_FAILED) return nullptr;
+    // Maps the shared pages now, in one call, instead of one fault per page later; a hint
+    // only (older kernels refuse it).
+    ::madvise(data, bytes, MADV_POPULATE_READ);
+    return data;
+}
+
+}  // namespace spbcast::detail

@@ -1,0 +1,414 @@
+// One rank of the same-host path's multi-process tests (tests/test_shared_memory.cpp), started
+// with the launcher environment over a real Gloo group.
+//
+//   spbcast_shm_worker check <profile> <micro_batches> <steps> <root> <auto|network|shm> <shared|network|refused>
+//       broadcasts realistic batches; checks digests, which path was chosen, that a follower's
+//       writes stay private to it, that storages resize; prints this rank's descriptors.
+//   spbcast_shm_worker root_dies <profile>
+//       the root sends one batch and exits; followers check that batch afterwards.
+//   spbcast_shm_worker kill_loop <seed>
+//       broadcasts batches of random sizes until the group fails (a rank is SIGKILLed by the
+//       test); a survivor must raise spbcast::error, then holds no descriptor of ours: exit 3.
+//   spbcast_shm_worker fallback <profile>
+//       the root cannot create a segment for one batch: it goes over the network, intact.
+//   spbcast_shm_worker group_memory <profile> <micro_batches> <auto|network|shm>
+//       prints the group's memory while a batch is alive (sum of Pss_Anon + change in Shmem).
+//   spbcast_shm_worker soak <rounds>
+//       many small and mid-sized batches; descriptor count and memory must stay flat.
+#include "profiles.hpp"
+
+#include <spbcast/spbcast.hpp>
+
+#include <dirent.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <random>
+#include <thread>
+
+namespace {
+
+struct fd_census {
+    int total = 0, sockets = 0, memfds = 0;
+};
+
+fd_census count_fds() {
+    fd_census c;
+    DIR* d = ::opendir("/proc/self/fd");
+    while (dirent* e = ::readdir(d)) {
+        if (e->d_name[0] == '.') continue;
+        char target[256] = {};
+        const std::string path = std::string("/proc/self/fd/") + e->d_name;
+        if (::readlink(path.c_str(), target, sizeof target - 1) < 0) continue;
+        const std::string t = target;
+        ++c.total;
+        if (t.rfind("socket:", 0) == 0) ++c.sockets;
+        if (t.rfind("/memfd:", 0) == 0) ++c.memfds;
+    }
+    ::closedir(d);
+    --c.total;  // the directory stream itself
+    return c;
+}
+
+long kib_of(const char* file, const char* key) {
+    std::ifstream in(file);
+    std::string line;
+    while (std::getline(in, line))
+        if (line.rfind(key, 0) == 0) return std::stol(line.substr(std::strlen(key)));
+    return -1;
+}
+
+spbcast::transport_mode mode_of(const std::string& s) {
+    if (s == "network") return spbcast::transport_mode::network;
+    if (s == "shm") return spbcast::transport_mode::shared_memory;
+    return spbcast::transport_mode::automatic;
+}
+
+template <class G>
+bool chose_shared(G& group, int root) {
+    auto state = spbcast::detail::same_host_registry::instance().find(&spbcast::detail::group_of(group), root);
+    return state && state->shared;
+}
+
+// Every tensor of the batch, for writing into.
+std::vector<at::Tensor> tensors_of(xtuner::Batch& b) {
+    std::vector<at::Tensor> out;
+    for (auto& item : b) {
+        out.push_back(item.seq_ctx.input_ids);
+        out.push_back(item.shifted_labels);
+        if (item.seq_ctx.pixel_values) out.push_back(*item.seq_ctx.pixel_values);
+    }
+    return out;
+}
+
+// A group-wide point every rank reaches before any goes on (a tiny network-path broadcast).
+template <class G>
+void barrier(G& group) {
+    at::Tensor t = at::zeros({1}, at::kLong);
+    spbcast::broadcast(t, group, {.timeout = std::chrono::seconds(30), .transport = spbcast::transport_mode::network});
+}
+
+int check(int argc, char** argv) {
+    const auto profile = xtuner::profile_from_name(argv[2]);
+    const int micro_batches = std::stoi(argv[3]), steps = std::stoi(argv[4]), root = std::stoi(argv[5]);
+    const auto transport = mode_of(argv[6]);
+    const std::string expect = argv[7];
+    (void)argc;
+    const auto env = spbcast::dist::launch_env::from_environment();
+    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
+    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    const spbcast::options opts{.root = root, .timeout = std::chrono::seconds(30), .transport = transport};
+    const int writer = root == 0 ? 1 : 0;  // the follower whose writes must stay private
+    for (int step = 0; step < steps; ++step) {
+        xtuner::Batch batch;
+        if (env.rank == root) batch = xtuner::make_batch(profile, micro_batches, step);
+        try {
+            spbcast::broadcast(batch, group, opts);
+        } catch (const spbcast::error& e) {
+            if (expect == "refused" && e.code() == spbcast::errc::invalid_argument) {
+                std::cout << "rank " << env.rank << " refused: " << e.what() << "\n";
+                return 0;
+            }
+            throw;
+        }
+        if (expect == "refused") {
+            std::cerr << "rank " << env.rank << ": transport shared_memory was not refused\n";
+            return 1;
+        }
+        const bool shared = chose_shared(group, root);
+        if (shared != (expect == "shared")) {
+            std::cerr << "rank " << env.rank << ": expected the " << expect << " path, got "
+                      << (shared ? "shared" : "network") << "\n";
+            return 1;
+        }
+        const auto want = spbcast::digest(xtuner::make_batch(profile, micro_batches, step));
+        if (spbcast::digest(batch) != want) {
+            std::cerr << "rank " << env.rank << ": step " << step << " differs from the root's batch\n";
+            return 1;
+        }
+        if (step == 0 && env.world_size > 2) {
+            // One follower writes over its whole batch; every other rank must not see it.
+            if (env.rank == writer)
+                for (auto& t : tensors_of(batch)) t.fill_(7);
+            barrier(group);
+            if (spbcast::digest(batch) != want && env.rank != writer) {
+                std::cerr << "rank " << env.rank << ": another rank's write showed in this rank's batch\n";
+                return 1;
+            }
+            if (env.rank == writer && spbcast::digest(batch) == want) {
+                std::cerr << "rank " << env.rank << ": a write did not change its own batch\n";
+                return 1;
+            }
+            barrier(group);
+            // Storages stay resizable: growing one moves it to CPU-allocator memory.
+            at::Tensor ids = batch[0].seq_ctx.input_ids;
+            const auto before = ids.clone();
+            ids.resize_({ids.numel() * 2});
+            if (!ids.narrow(0, 0, before.numel()).equal(before.view({-1}))) {
+                std::cerr << "rank " << env.rank << ": resizing lost the storage's bytes\n";
+                return 1;
+            }
+        }
+        std::cout << "rank " << env.rank << " step " << step << " ok " << (shared ? "shared" : "network") << "\n";
+    }
+    barrier(group);
+    const auto fds = count_fds();
+    const auto stats = spbcast::shared_memory_statistics();
+    std::cout << "rank " << env.rank << " fds " << fds.total << " memfds " << fds.memfds << " sockets "
+              << fds.sockets << " reused " << stats.segments_reused << " created " << stats.segments_created
+              << "\n";
+    // A follower holds no segment descriptor between batches (its mappings need none).
+    if (env.rank != root && fds.memfds != 0) {
+        std::cerr << "rank " << env.rank << ": " << fds.memfds << " memfd descriptors left open\n";
+        return 1;
+    }
+    return 0;
+}
+
+int root_dies(char** argv) {
+    const auto profile = xtuner::profile_from_name(argv[2]);
+    const auto env = spbcast::dist::launch_env::from_environment();
+    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
+    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    const spbcast::options opts{.timeout = std::chrono::seconds(10), .transport = spbcast::transport_mode::shared_memory};
+    xtuner::Batch batch;
+    if (env.rank == 0) batch = xtuner::make_batch(profile, 1, 5);
+    spbcast::broadcast(batch, group, opts);
+    barrier(group);
+    if (env.rank == 0) ::_exit(0);  // no clean-up: the kernel closes everything
+    // The next broadcast fails: the root is gone.
+    try {
+        xtuner::Batch next;
+        spbcast::broadcast(next, group, opts);
+        std::cerr << "rank " << env.rank << ": a broadcast from a dead root succeeded\n";
+        return 1;
+    } catch (const spbcast::error& e) {
+        std::cout << "rank " << env.rank << " raised after the root died: " << e.what() << "\n";
+    }
+    const auto want = spbcast::digest(xtuner::make_batch(profile, 1, 5));
+    if (spbcast::digest(batch) != want) {
+        std::cerr << "rank " << env.rank << ": the batch changed after the root died\n";
+        return 1;
+    }
+    for (auto& t : tensors_of(batch)) t.add_(1);
+    if (spbcast::digest(batch) == want) return 1;
+    std::cout << "rank " << env.rank << " batch intact and writable after the root died\n";
+    return 0;
+}
+
+int kill_loop(char** argv) {
+    const auto env = spbcast::dist::launch_env::from_environment();
+    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
+    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    const auto baseline = count_fds();
+    std::mt19937_64 rng(std::stoull(argv[2]));
+    // The test picks a victim and a moment; the victim SIGKILLs itself from a thread then,
+    // wherever its main thread is (handshake, filling, mapping, a collective).
+    const char* victim = std::getenv("SPBCAST_TEST_KILL_RANK");
+    const char* after = std::getenv("SPBCAST_TEST_KILL_AFTER_MS");
+    if (victim && after && std::atoi(victim) == env.rank)
+        std::thread([ms = std::atoi(after)] {
+            std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+            ::kill(::getpid(), SIGKILL);
+        }).detach();
+    const spbcast::options opts{.timeout = std::chrono::seconds(5)};
+    std::vector<xtuner::Batch> kept;  // followers keep a few batches, as a training loop does
+    const auto start = std::chrono::steady_clock::now();
+    try {
+        for (std::uint64_t step = 0;; ++step) {
+            xtuner::Batch batch;
+            const std::uint64_t seed = rng();
+            if (env.rank == 0) {
+                batch = xtuner::make_batch(seed % 3 == 0 ? xtuner::profile::interns1_tiles : xtuner::profile::text,
+                                           1 + static_cast<int>(seed % 2), step);
+            }
+            spbcast::broadcast(batch, group, opts);
+            kept.push_back(std::move(batch));
+            if (kept.size() > 2) kept.erase(kept.begin());
+            if (step == 0) std::cout << "rank " << env.rank << " running\n" << std::flush;
+        }
+    } catch (const spbcast::error& e) {
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        kept.clear();
+        const auto fds = count_fds();
+        std::cout << "rank " << env.rank << " raised " << spbcast::to_string(e.code()) << " after " << s
+                  << " s; fds " << fds.total << " (baseline " << baseline.total << "), memfds " << fds.memfds
+                  << ", sockets " << fds.sockets << " (baseline " << baseline.sockets << "): " << e.what()
+                  << "\n";
+        if (fds.memfds != 0 || fds.sockets > baseline.sockets) {
+            std::cerr << "rank " << env.rank << ": descriptors of ours left open\n";
+            return 1;
+        }
+        return 3;
+    }
+}
+
+// The root cannot create a segment (no descriptor left: memfd_create fails with EMFILE): that
+// batch goes over the network, intact; the next one takes the same-host path again.
+int fallback(char** argv) {
+    const auto profile = xtuner::profile_from_name(argv[2]);
+    const auto env = spbcast::dist::launch_env::from_environment();
+    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
+    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    const spbcast::options opts{.timeout = std::chrono::seconds(30)};
+    for (int step = 0; step < 3; ++step) {
+        rlimit saved{};
+        ::getrlimit(RLIMIT_NOFILE, &saved);
+        if (env.rank == 0 && step == 1) {
+            spbcast::release_shared_memory();
+            rlimit tight = saved;
+            tight.rlim_cur = 3;  // no new descriptor: 0, 1 and 2 are taken
+            ::setrlimit(RLIMIT_NOFILE, &tight);
+        }
+        xtuner::Batch batch;
+        if (env.rank == 0) batch = xtuner::make_batch(profile, 1 + step, step);
+        const auto before = spbcast::shared_memory_statistics();
+        spbcast::broadcast(batch, group, opts);
+        const auto after = spbcast::shared_memory_statistics();
+        ::setrlimit(RLIMIT_NOFILE, &saved);
+        if (spbcast::digest(batch) != spbcast::digest(xtuner::make_batch(profile, 1 + step, step))) {
+            std::cerr << "rank " << env.rank << ": step " << step << " differs from the root's batch\n";
+            return 1;
+        }
+        if (env.rank == 0) {
+            const bool fell_back = after.network_fallbacks == before.network_fallbacks + 1;
+            std::cout << "rank 0 step " << step << (fell_back ? " network fallback" : " shared segment") << "\n";
+            if (fell_back != (step == 1)) return 1;
+        }
+        barrier(group);
+    }
+    std::cout << "rank " << env.rank << " ok\n";
+    return 0;
+}
+
+// Group memory while a batch is alive, as the issue measures it: the sum over ranks of the
+// change in Pss_Anon (smaps_rollup), plus the change in the host's Shmem, from before the root
+// builds its batch to when every rank holds it. Rank 0 prints it over the payload.
+long pss_anon_kib() { return kib_of("/proc/self/smaps_rollup", "Pss_Anon:"); }
+
+template <class G>
+std::int64_t sum_over_ranks(G& group, std::int64_t mine) {
+    std::int64_t total = 0;
+    for (int r = 0; r < group->getSize(); ++r) {
+        at::Tensor t = at::full({1}, mine, at::kLong);
+        spbcast::broadcast(t, group, {.root = r, .timeout = std::chrono::seconds(30), .transport = spbcast::transport_mode::network});
+        total += t.item<std::int64_t>();
+    }
+    return total;
+}
+
+int group_memory(char** argv) {
+    const auto profile = xtuner::profile_from_name(argv[2]);
+    const int micro_batches = std::stoi(argv[3]);
+    const auto transport = mode_of(argv[4]);
+    const auto env = spbcast::dist::launch_env::from_environment();
+    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
+    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    const spbcast::options opts{.timeout = std::chrono::seconds(60), .transport = transport};
+    {   // the handshake, and the loader-side warm-up, outside the measurement
+        std::vector<at::Tensor> nothing;
+        spbcast::broadcast(nothing, group, opts);
+    }
+    barrier(group);
+    const long shmem_before = kib_of("/proc/meminfo", "Shmem:");
+    const long pss_before = pss_anon_kib();
+    barrier(group);
+    xtuner::Batch batch;
+    std::uint64_t payload = 0;
+    if (env.rank == 0) {
+        batch = xtuner::make_batch(profile, micro_batches, 1);
+        for (auto& t : tensors_of(batch)) payload += t.storage().nbytes();
+    }
+    spbcast::broadcast(batch, group, opts);
+    const auto digest = spbcast::digest(batch);  // every rank reads its whole batch
+    (void)digest;
+    barrier(group);
+    const long pss_after = pss_anon_kib();
+    const long shmem_after = kib_of("/proc/meminfo", "Shmem:");
+    const std::int64_t pss_sum = sum_over_ranks(group, pss_after - pss_before);
+    const std::int64_t payload_all = sum_over_ranks(group, static_cast<std::int64_t>(payload));
+    if (env.rank == 0) {
+        const double group_kib = static_cast<double>(pss_sum + (shmem_after - shmem_before));
+        std::cout << "group memory " << argv[4] << " world " << env.world_size << ": sum Pss_Anon +"
+                  << pss_sum / 1024 << " MiB, Shmem +" << (shmem_after - shmem_before) / 1024
+                  << " MiB, payload " << payload_all / 1048576 << " MiB: "
+                  << group_kib * 1024 / static_cast<double>(payload_all) << "x the payload\n";
+    }
+    barrier(group);
+    return 0;
+}
+
+int soak(char** argv) {
+    const int rounds = std::stoi(argv[2]);
+    const auto env = spbcast::dist::launch_env::from_environment();
+    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
+    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    std::mt19937_64 rng(42);
+    fd_census fds_at_warm{};
+    long rss_at_warm = 0;
+    const int warm = std::min(rounds / 10, 1000);
+    at::Tensor big = at::arange(std::int64_t{3} << 17, at::kLong);  // 3 MiB: in place
+    for (int round = 0; round < rounds; ++round) {
+        const std::uint64_t r = rng();
+        std::vector<at::Tensor> batch;
+        if (env.rank == 0) {
+            batch.push_back(at::full({static_cast<std::int64_t>(r % 4096) + 1}, static_cast<std::int64_t>(round), at::kLong));
+            if (r % 4 == 0) batch.push_back(big.narrow(0, 0, static_cast<std::int64_t>((r >> 20) % (big.numel() - 1)) + 1));
+        }
+        spbcast::broadcast(batch, group, {.timeout = std::chrono::seconds(30)});
+        if (batch.empty() || batch[0].numel() != static_cast<std::int64_t>(r % 4096) + 1 ||
+            batch[0][0].item<std::int64_t>() != round) {
+            std::cerr << "rank " << env.rank << ": round " << round << " arrived wrong\n";
+            return 1;
+        }
+        if (batch.size() == 2 && !batch[1].equal(big.narrow(0, 0, batch[1].numel()))) {
+            std::cerr << "rank " << env.rank << ": round " << round << " arrived wrong\n";
+            return 1;
+        }
+        if (round == warm) {
+            fds_at_warm = count_fds();
+            rss_at_warm = kib_of("/proc/self/status", "VmRSS:");
+        }
+    }
+    const auto fds = count_fds();
+    const long rss = kib_of("/proc/self/status", "VmRSS:");
+    const auto stats = spbcast::shared_memory_statistics();
+    std::cout << "rank " << env.rank << " shared " << chose_shared(group, 0) << " fds " << fds_at_warm.total
+              << " -> " << fds.total << ", rss " << rss_at_warm << " -> " << rss << " KiB, pool cached "
+              << stats.cached_bytes << " held " << stats.held_bytes << " reused " << stats.segments_reused
+              << " created " << stats.segments_created << "\n";
+    if (!chose_shared(group, 0)) return 1;
+    // Followers hold no segment between batches; the root's pool holds a bounded few.
+    if (env.rank != 0 && fds.total != fds_at_warm.total) return 1;
+    if (env.rank == 0 && (fds.total > fds_at_warm.total + 4 || stats.held_bytes + stats.cached_bytes > (64u << 20)))
+        return 1;
+    if (rss - rss_at_warm > 16 * 1024) return 1;
+    return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    if (argc < 3) {
+        std::cerr << "usage: see the top of tests/shm_worker.cpp\n";
+        return 2;
+    }
+    const std::string mode = argv[1];
+    try {
+        if (mode == "check" && argc == 8) return check(argc, argv);
+        if (mode == "root_dies") return root_dies(argv);
+        if (mode == "kill_loop") return kill_loop(argv);
+        if (mode == "soak") return soak(argv);
+        if (mode == "fallback") return fallback(argv);
+        if (mode == "group_memory") return group_memory(argv);
+        std::cerr << "unknown mode or arguments\n";
+        return 2;
+    } catch (const std::exception& e) {
+        std::cerr << "shm worker failed: " << e.what() << "\n";
+        return 1;
+    }
+}

@@ -1,0 +1,253 @@
+// The same-host path (include/spbcast/detail/shm_*.hpp, same_host.hpp): real processes over a
+// real Gloo group on 127.0.0.1 (tests/shm_worker.cpp), real SIGKILLs, real descriptors; and
+// the follower's checks of a segment it is handed, over a real socket.
+#include "support/processes.hpp"
+#include "support/ranks.hpp"
+
+#include <spbcast/spbcast.hpp>
+
+#include <doctest/doctest.h>
+
+#include <sys/socket.h>
+
+#include <fstream>
+#include <random>
+
+namespace {
+
+using namespace std::chrono_literals;
+
+std::filesystem::path worker() { return spbcast_test::binary_dir() / "spbcast_shm_worker"; }
+
+long shmem_kib() {
+    std::ifstream in("/proc/meminfo");
+    std::string line;
+    while (std::getline(in, line))
+        if (line.rfind("Shmem:", 0) == 0) return std::stol(line.substr(6));
+    return -1;
+}
+
+// Shmem is system-wide: wait a little for the kernel to free the pages of exited processes.
+bool shmem_back_to(long baseline, long tolerance_kib) {
+    for (int i = 0; i < 50; ++i) {
+        if (shmem_kib() <= baseline + tolerance_kib) return true;
+        std::this_thread::sleep_for(100ms);
+    }
+    return false;
+}
+
+std::vector<spbcast_test::process_result> run_check(int world, const std::string& profile, int mb, int steps,
+                                                    int root, const std::string& transport,
+                                                    const std::string& expect) {
+    return spbcast_test::run_processes(
+        worker(), world,
+        [&](int) {
+            return std::vector<std::string>{"check", profile, std::to_string(mb), std::to_string(steps),
+                                            std::to_string(root), transport, expect};
+        },
+        120s);
+}
+
+void require_all_ok(const std::vector<spbcast_test::process_result>& results) {
+    for (const auto& r : results) REQUIRE_MESSAGE(r.exit_code == 0, spbcast_test::describe(results));
+}
+
+// A group of one, only for the messages of the follower-side checks below.
+struct solo_group {
+    int getRank() const { return 1; }
+    int getSize() const { return 2; }
+    void broadcast(std::vector<at::Tensor>&, const c10d::BroadcastOptions&) {}
+};
+
+}  // namespace
+
+TEST_CASE("shared memory: ranks on one host use it; batches bit-exact, writes private, storages resizable") {
+    const long baseline = shmem_kib();
+    for (auto [world, root] : {std::pair{3, 0}, std::pair{4, 2}}) {
+        CAPTURE(world);
+        const auto results = run_check(world, "qwen3-vl-image", 1, 4, root, "auto", "shared");
+        require_all_ok(results);
+        // Steady state fills recycled segments.
+        CHECK_MESSAGE(results[root].output.find("reused 0 ") == std::string::npos, results[root].output);
+    }
+    CHECK(shmem_back_to(baseline, 4096));
+}
+
+TEST_CASE("shared memory: transport_mode::network never uses it") {
+    require_all_ok(run_check(3, "text", 1, 3, 0, "network", "network"));
+}
+
+TEST_CASE("shared memory: a follower's batch stays valid and writable after the root dies") {
+    const long baseline = shmem_kib();
+    const auto results = spbcast_test::run_processes(
+        worker(), 3, [](int) { return std::vector<std::string>{"root_dies", "qwen3-vl-image"}; }, 120s);
+    require_all_ok(results);
+    for (int r = 1; r < 3; ++r)
+        CHECK_MESSAGE(results[r].output.find("intact and writable") != std::string::npos, spbcast_test::describe(results));
+    CHECK(shmem_back_to(baseline, 4096));
+}
+
+TEST_CASE("shared memory: SIGKILL of any rank at random points; survivors raise and leak nothing") {
+    const long baseline = shmem_kib();
+    std::mt19937 rng(20261201);
+    const int rounds = 8;
+    for (int round = 0; round < rounds; ++round) {
+        const int world = 3;
+        const int victim = static_cast<int>(rng() % world);
+        const auto delay = std::chrono::milliseconds(rng() % 600);  // from the handshake on
+        CAPTURE(round);
+        CAPTURE(victim);
+        CAPTURE(delay.count());
+        // The victim kills itself from a thread at a random moment of its broadcast loop: a real
+        // SIGKILL, delivered wherever its main thread happens to be.
+        const auto results = spbcast_test::run_processes(
+            worker(), world,
+            [&](int rank) {
+                return std::vector<std::string>{"kill_loop", std::to_string(round * 7 + 1)};
+            },
+            60s,
+            {"SPBCAST_TEST_KILL_RANK=" + std::to_string(victim),
+             "SPBCAST_TEST_KILL_AFTER_MS=" + std::to_string(delay.count())});
+        REQUIRE_MESSAGE(results[victim].signal == SIGKILL, spbcast_test::describe(results));
+        for (int r = 0; r < world; ++r) {
+            if (r == victim) continue;
+            // Exit 3: raised spbcast::error and holds no memfd or extra socket afterwards.
+            CHECK_MESSAGE(results[r].exit_code == 3, spbcast_test::describe(results));
+            CHECK_MESSAGE(results[r].seconds < 30, spbcast_test::describe(results));
+        }
+    }
+    CHECK_MESSAGE(shmem_back_to(baseline, 4096), "Shmem " << shmem_kib() << " KiB, baseline " << baseline);
+}
+
+TEST_CASE("shared memory: 10 000 broadcasts keep descriptors and memory flat") {
+    const int rounds = std::getenv("SPBCAST_SHM_SOAK_ROUNDS") ? std::atoi(std::getenv("SPBCAST_SHM_SOAK_ROUNDS")) : 10000;
+    const auto results = spbcast_test::run_processes(
+        worker(), 3, [&](int) { return std::vector<std::string>{"soak", std::to_string(rounds)}; }, 600s);
+    require_all_ok(results);
+    MESSAGE(spbcast_test::describe(results));
+}
+
+TEST_CASE("shared memory: a batch whose segment cannot be created goes over the network, intact") {
+    const auto results = spbcast_test::run_processes(
+        worker(), 3, [](int) { return std::vector<std::string>{"fallback", "qwen3-vl-image"}; }, 120s);
+    require_all_ok(results);
+    CHECK_MESSAGE(results[0].output.find("step 1 network fallback") != std::string::npos, spbcast_test::describe(results));
+}
+
+TEST_CASE("shared memory: ranks as threads - checksums, a root error after the segment was handed over, then the next batch") {
+    spbcast_test::run_ranks(3, [&](int rank, auto& group) {
+        auto batch = [](int seed) {
+            return std::vector<at::Tensor>{at::arange(seed, seed + (1 << 20), at::kFloat),
+                                           at::full({7}, seed, at::kLong)};
+        };
+        std::vector<at::Tensor> b = rank == 1 ? batch(3) : std::vector<at::Tensor>{};
+        spbcast::broadcast(b, group, {.root = 1, .checksum = true});
+        CHECK(spbcast::digest(b) == spbcast::digest(batch(3)));
+        auto state = spbcast::detail::same_host_registry::instance().find(&spbcast::detail::group_of(group), 1);
+        REQUIRE(state);
+        CHECK(state->shared);
+        // The root fails after the payload went into a segment (its frame breaks a limit): every
+        // follower raises the root's error and lets the segment go, and the group stays in step.
+        std::vector<at::Tensor> bad = rank == 1 ? batch(4) : std::vector<at::Tensor>{};
+        spbcast::limits tight;
+        tight.max_frame_bytes = 64;
+        try {
+            spbcast::broadcast(bad, group, {.root = 1, .limits = tight});
+            FAIL("a frame beyond the limits was sent");
+        } catch (const spbcast::error& e) {
+            CHECK((rank == 1 ? e.code() == spbcast::errc::limit_exceeded : e.code() == spbcast::errc::remote));
+        }
+        std::vector<at::Tensor> next = rank == 1 ? batch(5) : std::vector<at::Tensor>{};
+        spbcast::broadcast(next, group, {.root = 1});
+        CHECK(spbcast::digest(next) == spbcast::digest(batch(5)));
+    });
+}
+
+TEST_CASE("shared memory: a follower rejects a short, unsealed or out-of-order segment as corrupt_frame") {
+    using namespace spbcast::detail;
+    int pair[2];
+    REQUIRE(::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) == 0);
+    unique_fd root_end(pair[0]);
+    same_host_state state;
+    state.shared = true;
+    state.link = std::make_shared<follower_link>(unique_fd(pair[1]));
+    solo_group group;
+    spbcast::options opts;
+    group_state gstate;
+    collective<solo_group> c(group, opts, gstate, 1);
+    std::vector<slot_meta> slots(1);
+    slots[0].bytes = 8192;  // one transferred slot
+    segment_layout layout;
+    layout.segment = 5;
+    layout.capacity = 64 << 10;
+    layout.used = 8192;
+    layout.offsets = {0};
+
+    auto hand_over = [&](int fd, std::uint64_t sequence, std::uint64_t capacity) {
+        shm_message m;
+        m.kind = shm_message_kind::segment;
+        m.sequence = sequence;
+        m.segment = 5;
+        m.capacity = capacity;
+        REQUIRE(send_message(root_end.get(), m, fd));
+    };
+    auto released = [&] {
+        shm_message m;
+        unique_fd none;
+        return receive_message(root_end.get(), m, none, 2000ms) == receive_status::ok &&
+               m.kind == shm_message_kind::released && m.segment == 5;
+    };
+    auto expect_corrupt = [&](const std::string& what) {
+        auto delivery = take_segment(c, &state);
+        try {
+            map_segment(c, delivery, layout, slots, 9);
+            FAIL("accepted a segment that is " << what);
+        } catch (const spbcast::error& e) {
+            CHECK(e.code() == spbcast::errc::corrupt_frame);
+            CHECK(std::string(e.what()).find("rank 1") != std::string::npos);
+            MESSAGE(what << ": " << std::string(e.what()));
+        }
+    };
+
+    SUBCASE("unsealed") {
+        unique_fd fd(memfd_create_compat("spbcast-test", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+        REQUIRE(::ftruncate(fd.get(), 64 << 10) == 0);
+        hand_over(fd.get(), 9, 64 << 10);
+        expect_corrupt("unsealed");
+    }
+    SUBCASE("short") {
+        std::string why;
+        shm_segment s = shm_segment::create(16 << 10, why);
+        REQUIRE(s);
+        hand_over(s.fd(), 9, 64 << 10);
+        expect_corrupt("short");
+    }
+    SUBCASE("out of order") {
+        std::string why;
+        shm_segment s = shm_segment::create(64 << 10, why);
+        REQUIRE(s);
+        hand_over(s.fd(), 8, 64 << 10);
+        expect_corrupt("from another broadcast");
+    }
+    SUBCASE("valid: mapped privately, released when the last storage goes") {
+        std::string why;
+        shm_segment s = shm_segment::create(64 << 10, why);
+        REQUIRE(s);
+        std::memset(s.data(), 0x5a, 8192);
+        hand_over(s.fd(), 9, 64 << 10);
+        auto delivery = take_segment(c, &state);
+        auto slot_data = map_segment(c, delivery, layout, slots, 9);
+        REQUIRE(slot_data.size() == 1);
+        at::Tensor t = slot_data[0];
+        CHECK(t.numel() == 8192);
+        CHECK(t[100].item<std::uint8_t>() == 0x5a);
+        t.fill_(1);  // private: the root's pages keep their bytes
+        CHECK(s.data()[100] == 0x5a);
+        slot_data.clear();
+        t = at::Tensor();
+        CHECK(released());
+        return;
+    }
+    // Every rejected segment is reported back, so the root can reuse it.
+    CHECK(released());
+}
