@@ -147,6 +147,7 @@ const char* errc_name(spbcast::errc code) {
         case errc::timeout: return "timeout";
         case errc::invalid_argument: return "invalid_argument";
         case errc::loader: return "loader";
+        case errc::out_of_step: return "out_of_step";
     }
     return "error";
 }

@@ -3,7 +3,7 @@
 Every exception carries ``code``, the C++ ``spbcast::errc`` name of the reason:
 ``unsupported_value``, ``limit_exceeded``, ``corrupt_frame``, ``version_mismatch``,
 ``schema_mismatch``, ``payload_corrupt``, ``remote``, ``transport``, ``timeout``,
-``invalid_argument`` or ``loader``.
+``invalid_argument``, ``loader`` or ``out_of_step``.
 """
 
 
