@@ -520,16 +520,9 @@ public:
             const slot_meta& slot = slots_[i];
             if (slot.in_place) continue;
             bucket_data_[i] = memory.allocate(slot.bytes);
-            for (std::uint32_t s : slot.storages) {
-                storage_meta& storage = storages_[s];
-                if (storage.gather) continue;
-                storage.copied_out = storage.nbytes < slot.bytes / 4;
-                if (!storage.copied_out)
-                    storage_data_[s] = storage_within(bucket_data_[i], storage.slot_offset, storage.nbytes);
-            }
+            place_bucket_storages(i);
         }
-        for (std::uint32_t s = 0; s < storages_.size(); ++s)
-            if (!storage_data_[s].defined()) storage_data_[s] = memory.allocate(storages_[s].nbytes);
+        allocate_remaining_storages();
     }
 
     // The same-host path: transferred slot `i` already lies in `slot_data[i]` (a mapping of the
@@ -549,16 +542,9 @@ public:
                 storage_data_[slot.storages.front()] = bucket_data_[i];
                 continue;
             }
-            for (std::uint32_t s : slot.storages) {
-                storage_meta& storage = storages_[s];
-                if (storage.gather) continue;
-                storage.copied_out = storage.nbytes < slot.bytes / 4;
-                if (!storage.copied_out)
-                    storage_data_[s] = storage_within(bucket_data_[i], storage.slot_offset, storage.nbytes);
-            }
+            place_bucket_storages(i);
         }
-        for (std::uint32_t s = 0; s < storages_.size(); ++s)
-            if (!storage_data_[s].defined()) storage_data_[s] = memory.allocate(storages_[s].nbytes);
+        allocate_remaining_storages();
         for (std::uint32_t i = 0; i < slots_.size(); ++i)
             if (!slots_[i].in_frame) unpack_slot(i);
     }
@@ -609,6 +595,25 @@ public:
     std::size_t tensor_count() const { return tensors_.size(); }
 
 private:
+    // The span storages of bucket `i`: a part of the bucket when they fill at least a quarter
+    // of it, else copied out on arrival (a small tensor kept alive must not pin its bucket).
+    void place_bucket_storages(std::uint32_t i) {
+        const slot_meta& slot = slots_[i];
+        for (std::uint32_t s : slot.storages) {
+            storage_meta& storage = storages_[s];
+            if (storage.gather) continue;
+            storage.copied_out = storage.nbytes < slot.bytes / 4;
+            if (!storage.copied_out)
+                storage_data_[s] = storage_within(bucket_data_[i], storage.slot_offset, storage.nbytes);
+        }
+    }
+
+    void allocate_remaining_storages() {
+        auto& memory = receive_memory::instance();
+        for (std::uint32_t s = 0; s < storages_.size(); ++s)
+            if (!storage_data_[s].defined()) storage_data_[s] = memory.allocate(storages_[s].nbytes);
+    }
+
     void validate(byte_reader& in, const limits& lim) {
         constexpr auto max_u64 = std::numeric_limits<std::uint64_t>::max();
         std::uint64_t total = 0;
