@@ -189,12 +189,17 @@ struct wire_value {
 
 // root: the group rank of the sender; value: the root's wire_value (None on the other ranks).
 // Returns the root's value on followers, None on the root.
+// transport: "auto", "network" or "shared_memory" (spbcast::transport_mode).
 py::object broadcast(py::handle group, const std::string& group_name, const wire_value* value,
-                     int root, std::optional<double> timeout_s, bool checksum, bool use_registry) {
+                     int root, std::optional<double> timeout_s, bool checksum, bool use_registry,
+                     const std::string& transport) {
     auto pg = use_registry ? c10d::resolve_process_group(group_name) : cpp_group(group, group_name);
     spbcast::options opts;
     opts.root = root;
     opts.checksum = checksum;
+    opts.transport = transport == "network"         ? spbcast::transport_mode::network
+                     : transport == "shared_memory" ? spbcast::transport_mode::shared_memory
+                                                    : spbcast::transport_mode::automatic;
     if (timeout_s)  // validated on the Python side
         opts.timeout = std::chrono::milliseconds(
             std::max<int64_t>(1, static_cast<int64_t>(*timeout_s * 1000.0 + 0.5)));
@@ -234,7 +239,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("to_wire", [](py::handle tree) { return wire_value{to_ivalue(tree)}; }, py::arg("tree"));
     m.def("broadcast", &broadcast, py::arg("group"), py::arg("group_name"),
           py::arg("value").none(true), py::arg("root"), py::arg("timeout_s"), py::arg("checksum"),
-          py::arg("use_registry") = false);
+          py::arg("use_registry") = false, py::arg("transport") = "auto");
     // For the tests: whether torch's binding hands over the C++ group (the registry is not used).
     m.def("binding_cast_works", [](py::handle group) {
         try {

@@ -40,8 +40,8 @@ def _seconds(timeout):
     return float(seconds)
 
 
-def broadcast(obj, group=None, src=0, *, timeout=None, checksum=False, _use_registry=False,
-              _name="batch"):
+def broadcast(obj, group=None, src=0, *, timeout=None, checksum=False, transport="auto",
+              _use_registry=False, _name="batch"):
     """Sends ``obj`` from the global rank ``src`` to every rank of ``group`` and returns it.
 
     On ``src`` the very object passed is returned; on every other rank an identical copy on the
@@ -52,10 +52,14 @@ def broadcast(obj, group=None, src=0, *, timeout=None, checksum=False, _use_regi
     group: a torch.distributed group (default: the default group). src: a global rank.
     timeout: seconds (or a ``datetime.timedelta``) bounding every wait; default 5 minutes.
     checksum: verify the payload with a checksum per transfer slot.
+    transport: "auto" (shared memory where the whole group shares a host, else the network),
+    "network" or "shared_memory" (README: "The same-host path").
 
     Raises spbcast.Error (``.code`` says why) on every rank when the value cannot be sent
     (followers raise spbcast.RemoteError with the root's message); the group stays usable.
     """
+    if transport not in ("auto", "network", "shared_memory"):
+        raise ValueError(f"spbcast: transport must be 'auto', 'network' or 'shared_memory', not {transport!r}")
     pg, rank, root = _group_and_root(group, src)
     seconds = _seconds(timeout)
     name = pg.group_name
@@ -70,11 +74,11 @@ def broadcast(obj, group=None, src=0, *, timeout=None, checksum=False, _use_regi
                 f"spbcast: rank {me}: cannot send {_name}: reading it raised "
                 f"{type(e).__name__}: {e}", "unsupported_value")
             _C.broadcast(pg, name, _C.to_wire(_wire.error_envelope(error)), root, seconds,
-                         checksum, _use_registry)
+                         checksum, _use_registry, transport)
             if error is e:
                 raise
             raise error from e
-        _C.broadcast(pg, name, wire, root, seconds, checksum, _use_registry)
+        _C.broadcast(pg, name, wire, root, seconds, checksum, _use_registry, transport)
         return obj
-    envelope = _C.broadcast(pg, name, None, root, seconds, checksum, _use_registry)
+    envelope = _C.broadcast(pg, name, None, root, seconds, checksum, _use_registry, transport)
     return _wire.decode(envelope, dist.get_rank(), src)
