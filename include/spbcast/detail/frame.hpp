@@ -6,8 +6,10 @@
 
 #include "bytes.hpp"
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace spbcast::detail {
 
@@ -68,6 +70,15 @@ inline bool has_trailer(std::uint32_t slot_count) { return slot_count != 0; }
 inline std::size_t trailer_bytes(std::uint32_t slot_count, std::uint32_t flags) {
     return sizeof(trailer_head) + ((flags & checksum_trailer) ? 8 * std::size_t{slot_count} : 0) +
            trailer_message_bytes;
+}
+
+// The trailer's own checksum: over all its bytes with trailer_head::checksum counted as zero,
+// so the root and a follower compute it the same way (on a copy: the trailer is 1 KiB).
+inline std::uint64_t trailer_checksum(const void* trailer, std::size_t size) {
+    std::vector<std::uint8_t> bytes(static_cast<const std::uint8_t*>(trailer),
+                                    static_cast<const std::uint8_t*>(trailer) + size);
+    std::memset(bytes.data() + offsetof(trailer_head, checksum), 0, sizeof(std::uint64_t));
+    return checksum64(bytes.data(), bytes.size());
 }
 
 }  // namespace spbcast::detail

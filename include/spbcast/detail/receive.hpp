@@ -170,9 +170,7 @@ inline std::vector<std::uint64_t> read_trailer(const frame_header& header,
     head.status = in.get<std::uint32_t>();
     head.message_bytes = in.get<std::uint32_t>();
     head.checksum = in.get<std::uint64_t>();
-    std::vector<std::uint8_t> unsigned_trailer = trailer;
-    std::memset(unsigned_trailer.data() + offsetof(trailer_head, checksum), 0, sizeof head.checksum);
-    if (checksum64(unsigned_trailer.data(), unsigned_trailer.size()) != head.checksum)
+    if (trailer_checksum(trailer.data(), trailer.size()) != head.checksum)
         throw error(errc::payload_corrupt, where + ": the status trailer arrived corrupted (checksum "
                                                    "mismatch); the transport damaged data - check the "
                                                    "network and retry");

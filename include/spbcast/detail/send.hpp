@@ -172,7 +172,7 @@ void send_payload(collective<Group>& c, const send_plan& plan, const frame_heade
         out += 8 * checksums.size();
     }
     std::memcpy(out, message.data(), head.message_bytes);
-    head.checksum = checksum64(trailer.data_ptr(), static_cast<std::size_t>(trailer.numel()));
+    head.checksum = trailer_checksum(trailer.data_ptr(), static_cast<std::size_t>(trailer.numel()));
     std::memcpy(trailer.data_ptr(), &head, sizeof head);
     c.launch(trailer, "status trailer");
     c.wait_all();
