@@ -367,6 +367,8 @@ public:
     }
 
     const std::vector<slot_meta>& slots() const { return slots_; }
+    // What an in-place slot sends: its storage, whose bytes from base + lo are the slot's.
+    const storage_source& in_place_source(std::uint32_t i) const { return sources_[slots_[i].storages.front()]; }
     const std::vector<at::Tensor>& tensors() const { return tensor_objects_; }
     std::uint64_t payload_bytes() const {
         std::uint64_t total = 0;
