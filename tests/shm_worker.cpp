@@ -11,7 +11,10 @@
 //       test); a survivor must raise spbcast::error, then holds no descriptor of ours: exit 3.
 //   spbcast_shm_worker fallback <profile>
 //       the root cannot create a segment for one batch: it goes over the network, intact.
-//   spbcast_shm_worker group_memory <profile> <micro_batches> <auto|network|shm>
+//   spbcast_shm_worker leader_allocates <profile> <micro_batches> <steps>
+//       the root builds its batches in a shared_memory_scope: they travel without a copy, stay
+//       bit-exact, and neither the root's later writes nor a follower's reach another rank.
+//   spbcast_shm_worker group_memory <profile> <micro_batches> <auto|network|shm> [leader_allocates]
 //       prints the group's memory while a batch is alive (sum of Pss_Anon + change in Shmem).
 //   spbcast_shm_worker soak <rounds>
 //       many small and mid-sized batches; descriptor count and memory must stay flat.
@@ -169,6 +172,64 @@ int check(int argc, char** argv) {
     return 0;
 }
 
+int leader_allocates(char** argv) {
+    const auto profile = xtuner::profile_from_name(argv[2]);
+    const int micro_batches = std::stoi(argv[3]), steps = std::stoi(argv[4]);
+    const auto env = spbcast::dist::launch_env::from_environment();
+    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
+    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    const spbcast::options opts{.timeout = std::chrono::seconds(30)};
+    auto fail = [&](const std::string& what) {
+        std::cerr << "rank " << env.rank << ": " << what << "\n";
+        return 1;
+    };
+    for (int step = 0; step < steps; ++step) {
+        const auto before = spbcast::shared_memory_statistics();
+        xtuner::Batch batch;
+        if (env.rank == 0) {
+            spbcast::shared_memory_scope in_shared_memory;
+            batch = xtuner::make_batch(profile, micro_batches, step);
+        }
+        spbcast::broadcast(batch, group, opts);
+        const auto want = spbcast::digest(xtuner::make_batch(profile, micro_batches, step));
+        if (!chose_shared(group, 0)) return fail("the same-host path was not chosen");
+        if (spbcast::digest(batch) != want) return fail("step " + std::to_string(step) + " differs from the root's batch");
+        if (env.rank == 0) {
+            const auto after = spbcast::shared_memory_statistics();
+            const auto shared = after.tensors_shared - before.tensors_shared;
+            std::cout << "rank 0 step " << step << " tensors allocated " << after.tensors_allocated - before.tensors_allocated
+                      << " shared " << shared << "\n";
+            if (shared == 0) return fail("no tensor of the batch was handed over without a copy");
+        }
+        if (step != 0) continue;
+        // The root writes over its batch after the broadcast: its own tensors change, the
+        // followers' do not.
+        if (env.rank == 0)
+            for (auto& t : tensors_of(batch)) t.fill_(9);
+        barrier(group);
+        if (env.rank == 0 && spbcast::digest(batch) == want) return fail("the root's write did not change its batch");
+        if (env.rank != 0 && spbcast::digest(batch) != want) return fail("the root's later write showed in a follower's batch");
+        // A follower's write stays its own.
+        if (env.rank == 1)
+            for (auto& t : tensors_of(batch)) t.fill_(5);
+        barrier(group);
+        if (env.rank == 2 && spbcast::digest(batch) != want) return fail("a follower's write showed in another follower's batch");
+        // The root sends the batch it changed: a segment goes over once, so this is copied,
+        // and the followers get the bytes the root holds now, not the segment's.
+        xtuner::Batch again = env.rank == 0 ? batch : xtuner::Batch{};
+        const auto root_digest = spbcast::digest(batch);
+        std::uint64_t expected = root_digest;
+        spbcast::broadcast(expected, group, {.timeout = std::chrono::seconds(30), .transport = spbcast::transport_mode::network});
+        spbcast::broadcast(again, group, opts);
+        if (spbcast::digest(again) != expected) return fail("a second broadcast of the root's changed batch arrived stale");
+    }
+    barrier(group);
+    const auto fds = count_fds();
+    std::cout << "rank " << env.rank << " ok, fds " << fds.total << " memfds " << fds.memfds << "\n";
+    if (env.rank != 0 && fds.memfds != 0) return fail(std::to_string(fds.memfds) + " memfd descriptors left open");
+    return 0;
+}
+
 int root_dies(char** argv) {
     const auto profile = xtuner::profile_from_name(argv[2]);
     const auto env = spbcast::dist::launch_env::from_environment();
@@ -305,6 +366,7 @@ int group_memory(char** argv) {
     const auto profile = xtuner::profile_from_name(argv[2]);
     const int micro_batches = std::stoi(argv[3]);
     const auto transport = mode_of(argv[4]);
+    const bool leader_allocates = argv[5] && std::string(argv[5]) == "leader_allocates";
     const auto env = spbcast::dist::launch_env::from_environment();
     auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
     auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
@@ -320,7 +382,10 @@ int group_memory(char** argv) {
     xtuner::Batch batch;
     std::uint64_t payload = 0;
     if (env.rank == 0) {
+        std::optional<spbcast::shared_memory_scope> in_shared_memory;
+        if (leader_allocates) in_shared_memory.emplace();
         batch = xtuner::make_batch(profile, micro_batches, 1);
+        in_shared_memory.reset();
         for (auto& t : tensors_of(batch)) payload += t.storage().nbytes();
     }
     spbcast::broadcast(batch, group, opts);
@@ -333,7 +398,8 @@ int group_memory(char** argv) {
     const std::int64_t payload_all = sum_over_ranks(group, static_cast<std::int64_t>(payload));
     if (env.rank == 0) {
         const double group_kib = static_cast<double>(pss_sum + (shmem_after - shmem_before));
-        std::cout << "group memory " << argv[4] << " world " << env.world_size << ": sum Pss_Anon +"
+        std::cout << "group memory " << argv[4] << (leader_allocates ? " leader_allocates" : "") << " world "
+                  << env.world_size << ": sum Pss_Anon +"
                   << pss_sum / 1024 << " MiB, Shmem +" << (shmem_after - shmem_before) / 1024
                   << " MiB, payload " << payload_all / 1048576 << " MiB: "
                   << group_kib * 1024 / static_cast<double>(payload_all) << "x the payload\n";
@@ -358,6 +424,10 @@ int soak(char** argv) {
         if (env.rank == 0) {
             batch.push_back(at::full({static_cast<std::int64_t>(r % 4096) + 1}, static_cast<std::int64_t>(round), at::kLong));
             if (r % 4 == 0) batch.push_back(big.narrow(0, 0, static_cast<std::int64_t>((r >> 20) % (big.numel() - 1)) + 1));
+            if (r % 4 == 1) {  // a tensor the root allocated in shared memory: its segment goes over
+                spbcast::shared_memory_scope in_shared_memory;
+                batch.push_back(big.narrow(0, 0, static_cast<std::int64_t>((r >> 20) % (big.numel() - (1 << 17))) + (1 << 17)).clone());
+            }
         }
         spbcast::broadcast(batch, group, {.timeout = std::chrono::seconds(30)});
         if (batch.empty() || batch[0].numel() != static_cast<std::int64_t>(r % 4096) + 1 ||
@@ -409,6 +479,7 @@ int main(int argc, char** argv) {
         if (mode == "soak") return soak(argv);
         if (mode == "fallback") return fallback(argv);
         if (mode == "group_memory") return group_memory(argv);
+        if (mode == "leader_allocates" && argc == 5) return leader_allocates(argv);
         std::cerr << "unknown mode or arguments\n";
         return 2;
     } catch (const std::exception& e) {

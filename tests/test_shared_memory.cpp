@@ -163,6 +163,83 @@ TEST_CASE("shared memory: ranks as threads - checksums, a root error after the s
     });
 }
 
+TEST_CASE("shared memory: a leader that allocates its batch in shared memory sends it without a copy") {
+    const long baseline = shmem_kib();
+    const auto results = spbcast_test::run_processes(
+        worker(), 3, [](int) { return std::vector<std::string>{"leader_allocates", "qwen3-vl-image", "2", "3"}; }, 120s);
+    require_all_ok(results);
+    CHECK_MESSAGE(results[0].output.find("step 2 tensors allocated") != std::string::npos, spbcast_test::describe(results));
+
+    // The group then holds about one copy of the batch: the root's pages are the followers'.
+    const auto memory = spbcast_test::run_processes(
+        worker(), 3, [](int) { return std::vector<std::string>{"group_memory", "qwen3-vl-image", "2", "auto", "leader_allocates"}; },
+        120s);
+    require_all_ok(memory);
+    const auto& out = memory[0].output;
+    const auto x = out.find("x the payload");
+    REQUIRE_MESSAGE(x != std::string::npos, out);
+    const double ratio = std::stod(out.substr(out.rfind(' ', x - 1) + 1, x));
+    MESSAGE(out);
+    CHECK_MESSAGE(ratio < 1.5, out);
+    CHECK(shmem_back_to(baseline, 4096));
+}
+
+TEST_CASE("shared memory: shared_memory_scope allocates large CPU tensors of its thread in segments") {
+    using spbcast::shared_memory_statistics;
+    const auto allocated = [] { return shared_memory_statistics().tensors_allocated; };
+    const auto start = allocated();
+    at::Tensor outside = at::empty({1 << 20}, at::kFloat);
+    CHECK(allocated() == start);
+    at::Tensor big, small, nested_small;
+    {
+        spbcast::shared_memory_scope scope;
+        big = at::arange(1 << 20, at::kFloat);        // 4 MiB: in a segment
+        small = at::arange(1 << 10, at::kFloat);      // 4 KiB: below min_bytes
+        CHECK(allocated() == start + 1);
+        {
+            spbcast::shared_memory_scope everything(1);  // raised to 64 KiB, the least
+            nested_small = at::zeros({1 << 15}, at::kByte);  // 32 KiB: still ordinary
+            at::Tensor mid = at::zeros({1 << 17}, at::kByte);  // 128 KiB
+            CHECK(allocated() == start + 2);
+        }
+        // Another thread is outside the scope.
+        std::thread([&] { at::Tensor t = at::empty({1 << 20}, at::kFloat); }).join();
+        CHECK(allocated() == start + 2);
+    }
+    at::Tensor after = at::empty({1 << 20}, at::kFloat);
+    CHECK(allocated() == start + 2);
+    CHECK(spbcast::detail::shared_allocation_of(big.storage()) != nullptr);
+    CHECK(spbcast::detail::shared_allocation_of(small.storage()) == nullptr);
+    CHECK(spbcast::detail::shared_allocation_of(after.storage()) == nullptr);
+    CHECK(big[12345].item<float>() == 12345.0f);
+    // An ordinary tensor in every other way: writable, resizable.
+    big.mul_(2);
+    CHECK(big[12345].item<float>() == 24690.0f);
+    big.resize_({3 << 20});
+    CHECK(big[12345].item<float>() == 24690.0f);
+
+    // Ranks as threads: the root thread's batch goes over without a copy, checksums included,
+    // and a tensor the root kept outside the scope is copied next to it.
+    spbcast_test::run_ranks(3, [&](int rank, auto& group) {
+        auto make = [](int seed) {
+            return std::vector<at::Tensor>{at::arange(seed, seed + (1 << 20), at::kFloat),
+                                           at::full({3 << 18}, seed, at::kDouble), at::full({7}, seed, at::kLong)};
+        };
+        std::vector<at::Tensor> b;
+        if (rank == 0) {
+            b = make(11);
+            spbcast::shared_memory_scope scope;
+            b[0] = b[0].clone();
+        }
+        const auto shared_before = shared_memory_statistics().tensors_shared;
+        spbcast::broadcast(b, group, {.checksum = true});
+        CHECK(spbcast::digest(b) == spbcast::digest(make(11)));
+        if (rank == 0) {
+            CHECK(shared_memory_statistics().tensors_shared >= shared_before + 1);
+        }
+    });
+}
+
 TEST_CASE("shared memory: a follower rejects a short, unsealed or out-of-order segment as corrupt_frame") {
     using namespace spbcast::detail;
     int pair[2];
@@ -178,29 +255,27 @@ TEST_CASE("shared memory: a follower rejects a short, unsealed or out-of-order s
     std::vector<slot_meta> slots(1);
     slots[0].bytes = 8192;  // one transferred slot
     segment_layout layout;
-    layout.segment = 5;
-    layout.capacity = 64 << 10;
-    layout.used = 8192;
-    layout.offsets = {0};
+    layout.segments = {{5, 64 << 10, 8192}};
+    layout.places = {{0, 0}};
 
-    auto hand_over = [&](int fd, std::uint64_t sequence, std::uint64_t capacity) {
+    auto hand_over = [&](int fd, std::uint64_t sequence) {
         shm_message m;
-        m.kind = shm_message_kind::segment;
+        m.kind = shm_message_kind::segments;
         m.sequence = sequence;
-        m.segment = 5;
-        m.capacity = capacity;
-        REQUIRE(send_message(root_end.get(), m, fd));
+        m.count = 1;
+        m.ids[0] = 5;
+        REQUIRE(send_message(root_end.get(), m, {fd}));
     };
     auto released = [&] {
         shm_message m;
-        unique_fd none;
+        std::vector<unique_fd> none;
         return receive_message(root_end.get(), m, none, 2000ms) == receive_status::ok &&
                m.kind == shm_message_kind::released && m.segment == 5;
     };
     auto expect_corrupt = [&](const std::string& what) {
-        auto delivery = take_segment(c, &state);
+        auto delivery = take_segments(c, &state);
         try {
-            map_segment(c, delivery, layout, slots, 9);
+            map_segments(c, delivery, layout, slots, 9);
             FAIL("accepted a segment that is " << what);
         } catch (const spbcast::error& e) {
             CHECK(e.code() == spbcast::errc::corrupt_frame);
@@ -212,21 +287,21 @@ TEST_CASE("shared memory: a follower rejects a short, unsealed or out-of-order s
     SUBCASE("unsealed") {
         unique_fd fd(memfd_create_compat("spbcast-test", MFD_CLOEXEC | MFD_ALLOW_SEALING));
         REQUIRE(::ftruncate(fd.get(), 64 << 10) == 0);
-        hand_over(fd.get(), 9, 64 << 10);
+        hand_over(fd.get(), 9);
         expect_corrupt("unsealed");
     }
     SUBCASE("short") {
         std::string why;
         shm_segment s = shm_segment::create(16 << 10, why);
         REQUIRE(s);
-        hand_over(s.fd(), 9, 64 << 10);
+        hand_over(s.fd(), 9);
         expect_corrupt("short");
     }
     SUBCASE("out of order") {
         std::string why;
         shm_segment s = shm_segment::create(64 << 10, why);
         REQUIRE(s);
-        hand_over(s.fd(), 8, 64 << 10);
+        hand_over(s.fd(), 8);
         expect_corrupt("from another broadcast");
     }
     SUBCASE("valid: mapped privately, released when the last storage goes") {
@@ -234,9 +309,9 @@ TEST_CASE("shared memory: a follower rejects a short, unsealed or out-of-order s
         shm_segment s = shm_segment::create(64 << 10, why);
         REQUIRE(s);
         std::memset(s.data(), 0x5a, 8192);
-        hand_over(s.fd(), 9, 64 << 10);
-        auto delivery = take_segment(c, &state);
-        auto slot_data = map_segment(c, delivery, layout, slots, 9);
+        hand_over(s.fd(), 9);
+        auto delivery = take_segments(c, &state);
+        auto slot_data = map_segments(c, delivery, layout, slots, 9);
         REQUIRE(slot_data.size() == 1);
         at::Tensor t = slot_data[0];
         CHECK(t.numel() == 8192);

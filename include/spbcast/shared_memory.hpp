@@ -1,9 +1,12 @@
-// The same-host path's shared memory: statistics of the root's segment pool, its bound, and
+// The same-host path's shared memory: a scope in which the leader's tensors are allocated in
+// shared memory in the first place, statistics of the root's segment pool, its bound, and
 // releasing it on request (README: "The same-host path").
 #pragma once
 
+#include "detail/shm_allocator.hpp"
 #include "detail/shm_channel.hpp"
 #include "detail/shm_pool.hpp"
+#include "error.hpp"
 
 #include <cstddef>
 
@@ -12,17 +15,47 @@ namespace spbcast {
 struct shared_memory_stats {
     std::size_t limit_bytes;        // bound on free segments kept for reuse
     std::size_t cached_bytes;       // free segments kept for reuse
-    std::size_t held_bytes;         // segments a follower still maps (a batch it keeps)
+    std::size_t held_bytes;         // segments a follower still maps (a batch it keeps), or a tensor of this process lives in
     std::size_t segments_reused;    // batches filled into a recycled segment
     std::size_t segments_created;   // batches that needed a new segment
     std::size_t network_fallbacks;  // batches sent over the network because no segment could be had
+    std::size_t tensors_allocated;  // tensors allocated in shared memory by a shared_memory_scope
+    std::size_t tensors_shared;     // of those, broadcast without a copy (their segment handed over)
+};
+
+// While it lives, CPU tensors of at least `min_bytes` (64 KiB at least) that this thread
+// allocates - through ATen, so a collator's torch::cat, stack, empty or clone - live in
+// shared-memory segments of this process's pool. A broadcast of such a tensor over the
+// same-host path hands its segment to the followers instead of copying it: the group then
+// holds one copy of the batch. Open it around the code that builds the batch on the root (the
+// collate function, or each loader worker thread); anywhere else the tensors are ordinary
+// memory. Throws errc::invalid_argument if another CPU allocator that LibTorch prefers is
+// installed. Scopes nest; each restores the previous one's setting.
+class shared_memory_scope {
+public:
+    explicit shared_memory_scope(std::size_t min_bytes = std::size_t{1} << 20)
+        : previous_(detail::shared_scope_min_bytes) {
+        if (!detail::installed_shared_memory_allocator())
+            throw error(errc::invalid_argument,
+                        "spbcast: shared_memory_scope: another CPU allocator with a higher priority "
+                        "is installed (c10::SetCPUAllocator), so tensors cannot be allocated in shared "
+                        "memory; broadcast without the scope (the same-host path then copies the batch "
+                        "once)");
+        detail::shared_scope_min_bytes = std::max(min_bytes, detail::shm_pool::rounding);
+    }
+    ~shared_memory_scope() { detail::shared_scope_min_bytes = previous_; }
+    shared_memory_scope(const shared_memory_scope&) = delete;
+    shared_memory_scope& operator=(const shared_memory_scope&) = delete;
+
+private:
+    std::size_t previous_;
 };
 
 // This process's pool, as a root. Followers hold no pool: their batches map the root's segments.
 inline shared_memory_stats shared_memory_statistics() {
     const auto s = detail::shm_pool::instance().statistics();
     return {s.limit_bytes, s.cached_bytes, s.held_bytes, s.segments_reused, s.segments_created,
-            s.network_fallbacks};
+            s.network_fallbacks, s.tensors_allocated, s.tensors_shared};
 }
 
 // Bounds the free segments a root keeps for reuse (default 2 GiB); 0 keeps none, so every

@@ -359,7 +359,9 @@ struct editable_frame {
         auto out = frame_messages();
         for (std::size_t i = 0; i < slots.size(); ++i)
             if (!slots[i].in_frame()) out.push_back(slot_bytes(i));
-        if (spbcast::detail::has_trailer(transferred_slots()))
+        spbcast::detail::frame_header announced = header;
+        announced.slot_count = transferred_slots();
+        if (spbcast::detail::has_trailer(announced))
             out.emplace_back(spbcast::detail::trailer_bytes(transferred_slots(), header.flags), std::uint8_t{0});
         return out;
     }

@@ -348,7 +348,7 @@ TEST_CASE("re-signed header fields: unknown status, other version, lying slot co
         const auto version = with([](auto& h) { h.version = 0xffff; });
         CHECK_SPBCAST_ERROR(version);
         CHECK(version.code == spbcast::errc::version_mismatch);
-        CHECK_NOT_OTHER(with([](auto& h) { h.flags ^= spbcast::detail::checksum_trailer; }));
+        CHECK_NOT_OTHER(with([](auto& h) { h.flags ^= spbcast::detail::payload_checksums; }));
         CHECK_NOT_OTHER(with([](auto& h) { h.flags = 0xfffffffe; }));
     }
 }

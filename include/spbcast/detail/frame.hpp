@@ -14,17 +14,17 @@
 namespace spbcast::detail {
 
 inline constexpr std::uint32_t frame_magic = 0x43425053;  // "SPBC" in little-endian bytes
-inline constexpr std::uint16_t format_version = 3;
+inline constexpr std::uint16_t format_version = 4;
 inline constexpr std::size_t inline_frame_bytes = 8192;  // header + first body bytes
 
 // keep_alive: the root is still producing its batch; the real frame follows (keep_alive.hpp).
 // same_host_offer: the first message of the same-host handshake (shm_channel.hpp), shaped like a
 // frame so that a follower receives it after any keep-alive frames, as it would a frame.
 enum class frame_status : std::uint16_t { ok = 0, error = 1, keep_alive = 2, same_host_offer = 3 };
-// checksum_trailer: the status trailer carries checksums. shared_segment: the transferred slots
-// lie in a shared-memory segment (same_host.hpp) described after the slot table, and travel in
-// no collective; the status trailer still ends the broadcast.
-enum frame_flags : std::uint32_t { checksum_trailer = 1, shared_segment = 2 };
+// payload_checksums: the root sends a checksum per transferred slot (in the status trailer, or
+// in the segment layout). shared_segment: the transferred slots lie in shared-memory segments
+// (same_host.hpp) described after the slot table, and travel in no collective.
+enum frame_flags : std::uint32_t { payload_checksums = 1, shared_segment = 2 };
 
 struct frame_header {
     std::uint32_t magic = frame_magic;
@@ -65,10 +65,14 @@ struct trailer_head {
 static_assert(sizeof(trailer_head) == 16);
 inline constexpr std::size_t trailer_message_bytes = 1024;
 
-inline bool has_trailer(std::uint32_t slot_count) { return slot_count != 0; }
+// From version 4 a same-host broadcast ends with its frame: its payload is complete before the
+// frame leaves, so the root has nothing left to report.
+inline bool has_trailer(const frame_header& header) {
+    return header.slot_count != 0 && (header.version < 4 || !(header.flags & shared_segment));
+}
 
 inline std::size_t trailer_bytes(std::uint32_t slot_count, std::uint32_t flags) {
-    return sizeof(trailer_head) + ((flags & checksum_trailer) ? 8 * std::size_t{slot_count} : 0) +
+    return sizeof(trailer_head) + ((flags & payload_checksums) ? 8 * std::size_t{slot_count} : 0) +
            trailer_message_bytes;
 }
 

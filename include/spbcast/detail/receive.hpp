@@ -108,8 +108,8 @@ std::vector<slot_meta> announced_slots(collective<Group>& c, const frame_header&
 // ended with an optional checksum message; later versions keep this rule for the versions
 // they know, so a follower can drain a frame it cannot use.
 inline std::uint64_t announced_trailer_bytes(const frame_header& header) {
-    if (header.version == 1) return (header.flags & checksum_trailer) ? 8 * std::uint64_t{header.slot_count} : 0;
-    return has_trailer(header.slot_count) ? trailer_bytes(header.slot_count, header.flags) : 0;
+    if (header.version == 1) return (header.flags & payload_checksums) ? 8 * std::uint64_t{header.slot_count} : 0;
+    return has_trailer(header) ? trailer_bytes(header.slot_count, header.flags) : 0;
 }
 
 // The scratch buffer draining needs: as large as the largest slot (one buffer serves every
@@ -175,7 +175,7 @@ inline std::vector<std::uint64_t> read_trailer(const frame_header& header,
                                                    "mismatch); the transport damaged data - check the "
                                                    "network and retry");
     std::vector<std::uint64_t> sums;
-    if (header.flags & checksum_trailer)
+    if (header.flags & payload_checksums)
         for (std::uint32_t i = 0; i < header.slot_count; ++i) sums.push_back(in.get<std::uint64_t>());
     if (head.status == static_cast<std::uint32_t>(frame_status::ok)) return sums;
     if (head.status != static_cast<std::uint32_t>(frame_status::error) || head.message_bytes > trailer_message_bytes)
@@ -226,7 +226,8 @@ parsed_frame parse_frame(const frame_header& header, const std::vector<std::uint
     parsed_frame frame;
     frame.plan.read_slot_table(in);
     if (transferred_slot_count(frame.plan.slots()) != header.slot_count) in.fail("slot count differs from the header");
-    if (header.flags & shared_segment) frame.segment = segment_layout::read(in, frame.plan.slots());
+    if (header.flags & shared_segment)
+        frame.segment = segment_layout::read(in, frame.plan.slots(), header.flags & payload_checksums);
     if (header.version != format_version) {
         frame.mismatch = std::make_exception_ptr(error(
             errc::version_mismatch,
@@ -302,7 +303,7 @@ void check_agreement(collective<Group>& c, const frame_header& header) {
         refuse(errc::out_of_step, "the frame came from rank " + std::to_string(header.root) +
                                       " but this rank called with options.root = " +
                                       std::to_string(opts.root) + "; pass the same root on every rank");
-    const bool root_checksums = header.flags & checksum_trailer;
+    const bool root_checksums = header.flags & payload_checksums;
     if (header.status == static_cast<std::uint16_t>(frame_status::ok) && root_checksums != opts.checksum)
         refuse(errc::out_of_step, std::string("options.checksum is ") + (root_checksums ? "true" : "false") +
                                       " on the root and " + (opts.checksum ? "true" : "false") +
@@ -352,7 +353,7 @@ void receive(collective<Group>& c, T& value, same_host_state* same_host = nullpt
     std::optional<segment_delivery> delivery;
     std::vector<at::Tensor> segment_slots;
     try {
-        if (header.flags & shared_segment) delivery = take_segment(c, same_host);
+        if (header.flags & shared_segment) delivery = take_segments(c, same_host);
         std::exception_ptr disagreement;
         try {
             check_agreement(c, header);
@@ -374,7 +375,7 @@ void receive(collective<Group>& c, T& value, same_host_state* same_host = nullpt
         else if (unusable)
             refusal = unusable;
         else if (frame->segment) {
-            segment_slots = map_segment(c, *delivery, *frame->segment, slots, header.sequence);
+            segment_slots = map_segments(c, *delivery, *frame->segment, slots, header.sequence);
             frame->plan.adopt_slots(segment_slots);
         } else
             frame->plan.allocate();
@@ -411,8 +412,9 @@ void receive(collective<Group>& c, T& value, same_host_state* same_host = nullpt
     if (trailer_size != 0) c.launch(trailer, "status trailer");
     c.wait_all();
     const auto* trailer_data = static_cast<const std::uint8_t*>(trailer.data_ptr());
-    const auto expected = read_trailer(header, std::vector<std::uint8_t>(trailer_data, trailer_data + trailer_size),
-                                       c.where(), static_cast<int>(header.root));
+    const auto trailer_checksums = read_trailer(header, std::vector<std::uint8_t>(trailer_data, trailer_data + trailer_size),
+                                                c.where(), static_cast<int>(header.root));
+    const auto& expected = frame->segment ? frame->segment->checksums : trailer_checksums;
     if (c.callback_failure()) std::rethrow_exception(as_spbcast_error(c.callback_failure(), c.where()));
     if (opts.checksum)
         for (std::size_t k = 0; k < checksums.size(); ++k)

@@ -1,11 +1,14 @@
 // The same-host transfer mode of one broadcast (README: "The same-host path").
 //
-// The root copies every payload slot into one segment from its pool, hands the segment's
-// descriptor to each follower over its socket, and only then sends the frame, whose body
-// says where each slot lies in the segment. Followers map the segment privately and build
-// their storages over the mapping; no payload collective runs. A follower that cannot use the
-// segment (short, unsealed, out of order) says so with errc::corrupt_frame after the
-// broadcast's remaining collectives, so the group stays in step.
+// The root puts every payload slot into a segment: slots that are a tensor its loader already
+// allocated in a segment of its own (shm_allocator.hpp) stay where they are, every other slot is
+// copied into one segment from its pool. It hands the descriptors of those segments to each
+// follower over its socket, in one message, and only then sends the frame, whose body says
+// where each slot lies. Followers map the segments privately and build their storages over the
+// mappings. The payload is complete before the frame leaves, so the frame is the whole
+// broadcast: no payload collective, no status trailer. A follower that cannot use a segment
+// (short, unsealed, out of order) raises errc::corrupt_frame on its own, and the group stays in
+// step.
 #pragma once
 
 #include "../error.hpp"
@@ -13,6 +16,7 @@
 #include "collective.hpp"
 #include "frame.hpp"
 #include "receive_memory.hpp"
+#include "shm_allocator.hpp"
 #include "shm_channel.hpp"
 #include "tensor_plan.hpp"
 
@@ -29,142 +33,207 @@ inline constexpr std::uint64_t segment_slot_alignment = 64;
 
 // Where the payload lies: the frame body carries this right after the slot table.
 struct segment_layout {
-    std::uint64_t segment = 0;   // the root's id of the segment
-    std::uint64_t capacity = 0;  // its size, as the follower must find it
-    std::uint64_t used = 0;      // bytes the slots span, from the start
-    std::vector<std::uint64_t> offsets;    // per transferred slot (not in the frame)
-    std::vector<std::uint64_t> checksums;  // root only, with options.checksum: per transferred slot
+    struct segment {
+        std::uint64_t id = 0;        // the root's
+        std::uint64_t capacity = 0;  // its size, as the follower must find it
+        std::uint64_t used = 0;      // bytes the slots in it span, from the start
+    };
+    struct place {
+        std::uint32_t segment = 0;  // index into segments
+        std::uint64_t offset = 0;
+    };
+    std::vector<segment> segments;           // in the order of the descriptors handed over
+    std::vector<place> places;               // per transferred slot (not in the frame)
+    std::vector<std::uint64_t> checksums;    // with the checksum flag: per transferred slot
 
     void write(byte_writer& out) const {
-        out.put<std::uint64_t>(segment);
-        out.put<std::uint64_t>(capacity);
-        out.put<std::uint64_t>(used);
-        for (auto o : offsets) out.put<std::uint64_t>(o);
+        out.put<std::uint32_t>(static_cast<std::uint32_t>(segments.size()));
+        for (const auto& s : segments) {
+            out.put<std::uint64_t>(s.id);
+            out.put<std::uint64_t>(s.capacity);
+            out.put<std::uint64_t>(s.used);
+        }
+        for (const auto& p : places) {
+            out.put<std::uint32_t>(p.segment);
+            out.put<std::uint64_t>(p.offset);
+        }
+        for (auto c : checksums) out.put<std::uint64_t>(c);
     }
-    // Validated against the slot table: every transferred slot inside `used`, `used` inside
-    // `capacity`. Slots that ride in the frame have no place in the segment.
-    static segment_layout read(byte_reader& in, const std::vector<slot_meta>& slots) {
+    // Validated against the slot table: every transferred slot inside the bytes its segment
+    // uses, those inside its capacity. Slots that ride in the frame have no place here.
+    static segment_layout read(byte_reader& in, const std::vector<slot_meta>& slots, bool with_checksums) {
         segment_layout l;
-        l.segment = in.get<std::uint64_t>();
-        l.capacity = in.get<std::uint64_t>();
-        l.used = in.get<std::uint64_t>();
-        if (l.used > l.capacity) in.fail("the segment's used bytes exceed its capacity");
+        const auto count = in.get<std::uint32_t>();
+        if (count == 0 || count > max_batch_segments) in.fail("the frame names " + std::to_string(count) + " segments");
+        l.segments.resize(count);
+        for (auto& s : l.segments) {
+            s.id = in.get<std::uint64_t>();
+            s.capacity = in.get<std::uint64_t>();
+            s.used = in.get<std::uint64_t>();
+            if (s.used > s.capacity) in.fail("a segment's used bytes exceed its capacity");
+        }
         const std::uint32_t transferred = transferred_slot_count(slots);
-        if (transferred > in.remaining() / 8) in.fail("segment offsets exceed the frame");
-        l.offsets.resize(transferred);
+        if (transferred > in.remaining() / 12) in.fail("segment places exceed the frame");
+        l.places.resize(transferred);
         std::uint32_t k = 0;
         for (std::size_t i = 0; i < slots.size(); ++i) {
             if (slots[i].in_frame) continue;
-            const std::uint64_t offset = l.offsets[k++] = in.get<std::uint64_t>();
-            if (offset > l.used || slots[i].bytes > l.used - offset)
-                in.fail("payload slot " + std::to_string(i + 1) + " lies outside the segment");
-            if (offset % storage_alignment != 0) in.fail("misaligned payload slot in the segment");
+            place& p = l.places[k++];
+            p.segment = in.get<std::uint32_t>();
+            p.offset = in.get<std::uint64_t>();
+            if (p.segment >= count) in.fail("payload slot " + std::to_string(i + 1) + " names no segment of the frame");
+            const std::uint64_t used = l.segments[p.segment].used;
+            if (p.offset > used || slots[i].bytes > used - p.offset)
+                in.fail("payload slot " + std::to_string(i + 1) + " lies outside its segment");
+            if (p.offset % storage_alignment != 0) in.fail("misaligned payload slot in the segment");
         }
+        if (with_checksums)
+            for (std::uint32_t j = 0; j < transferred; ++j) l.checksums.push_back(in.get<std::uint64_t>());
         return l;
     }
 };
 
-// Root: puts the payload of `plan` into a segment and hands it to every follower. Returns no
+// Root: puts the payload of `plan` into segments and hands them to every follower. Returns no
 // layout (and the batch goes over the network) when no segment can be had.
 inline std::optional<segment_layout> place_payload(same_host_state& state, const send_plan& plan,
                                                    std::uint64_t sequence, bool with_checksums) {
     const auto& slots = plan.slots();
     if (transferred_slot_count(slots) == 0) return std::nullopt;  // all in the frame, or nothing
     state.collect_releases();
-    segment_layout layout;
-    std::uint64_t end = 0;
-    for (const auto& s : slots) {
-        if (s.in_frame) continue;
-        end = (end + segment_slot_alignment - 1) / segment_slot_alignment * segment_slot_alignment;
-        layout.offsets.push_back(end);
-        end += s.bytes;
-    }
-    layout.used = end;
     int holders = 0;
     for (const auto& l : state.links) holders += l.alive ? 1 : 0;
     if (holders == 0) return std::nullopt;
     auto& pool = shm_pool::instance();
-    std::string why_not;
-    const auto lease = pool.acquire(end, holders, why_not);
-    if (!lease) return std::nullopt;
+    pool.next_batch();
+
+    // Slots that are a tensor of the root's own in a segment stay there; the others are copied
+    // into the batch's segment, at these offsets.
+    std::vector<shared_allocation*> kept(slots.size(), nullptr);
+    std::vector<std::uint64_t> copy_offset(slots.size(), 0);
+    std::uint64_t copied_bytes = 0;
+    std::size_t kept_count = 0;
+    bool copies = false;
+    for (std::uint32_t i = 0; i < slots.size(); ++i) {
+        if (slots[i].in_frame) continue;
+        if (slots[i].in_place && kept_count + 1 < max_batch_segments) {
+            shared_allocation* a = shared_allocation_of(plan.in_place_source(i).storage);
+            if (a && !a->detached && a->detach()) {
+                kept[i] = a;
+                ++kept_count;
+                continue;
+            }
+        }
+        copies = true;
+        copied_bytes = (copied_bytes + segment_slot_alignment - 1) / segment_slot_alignment * segment_slot_alignment;
+        copy_offset[i] = copied_bytes;
+        copied_bytes += slots[i].bytes;
+    }
+    shm_pool::lease lease;
+    if (copies) {
+        std::string why_not;
+        lease = pool.acquire(copied_bytes, holders, why_not);
+        // The tensors kept above then go over the network, intact: nothing of them has left.
+        if (!lease) return std::nullopt;
+    }
+
+    // The descriptors go in this order: the batch's segment, then the kept ones in slot order.
+    segment_layout layout;
+    std::vector<int> fds;
+    if (copies) {
+        layout.segments.push_back({lease.id, lease.capacity, copied_bytes});
+        fds.push_back(lease.fd);
+    }
+    for (std::uint32_t i = 0; i < slots.size(); ++i) {
+        if (slots[i].in_frame) continue;
+        if (!kept[i]) {
+            layout.places.push_back({0, copy_offset[i]});
+            continue;
+        }
+        const std::uint64_t offset = plan.in_place_source(i).lo;
+        layout.places.push_back({static_cast<std::uint32_t>(layout.segments.size()), offset});
+        layout.segments.push_back({kept[i]->segment, kept[i]->capacity, offset + slots[i].bytes});
+        fds.push_back(kept[i]->fd);
+        pool.hold(kept[i]->segment, holders);
+        pool.count_tensor(true);
+    }
     try {
-        std::uint32_t k = 0;
-        for (std::uint32_t i = 0; i < slots.size(); ++i) {
+        for (std::uint32_t i = 0, k = 0; i < slots.size(); ++i) {
             if (slots[i].in_frame) continue;
-            std::uint8_t* out = lease.data + layout.offsets[k++];
-            plan.pack_slot(i, out);
-            if (with_checksums) layout.checksums.push_back(checksum64(out, slots[i].bytes));
+            const auto& p = layout.places[k++];
+            std::uint8_t* at = kept[i] ? static_cast<std::uint8_t*>(kept[i]->data) + p.offset : lease.data + p.offset;
+            if (!kept[i]) plan.pack_slot(i, at);
+            if (with_checksums) layout.checksums.push_back(checksum64(at, slots[i].bytes));
         }
     } catch (...) {
-        for (int h = 0; h < holders; ++h) pool.release(lease.id);
+        for (const auto& s : layout.segments)
+            for (int h = 0; h < holders; ++h) pool.release(s.id);
         throw;
     }
-    layout.segment = lease.id;
-    layout.capacity = lease.capacity;
     shm_message m;
-    m.kind = shm_message_kind::segment;
+    m.kind = shm_message_kind::segments;
     m.sequence = sequence;
-    m.segment = lease.id;
-    m.capacity = lease.capacity;
+    for (const auto& s : layout.segments) m.ids[m.count++] = s.id;
     for (auto& l : state.links) {
         if (!l.alive) continue;
-        if (send_message(l.sock.get(), m, lease.fd)) {
-            l.held.insert(lease.id);
+        if (send_message(l.sock.get(), m, fds)) {
+            for (const auto& s : layout.segments) l.held.insert(s.id);
         } else {
             // A follower that cannot be reached has died; the group reports it next.
-            pool.release(lease.id);
+            for (const auto& s : layout.segments) pool.release(s.id);
             state.drop_link(l);
         }
     }
     return layout;
 }
 
-// Follower: the descriptor the root sent ahead of this frame, reported back as released
-// unless a mapping takes it over.
+// Follower: the descriptors the root sent ahead of this frame; each is reported back as
+// released unless a mapping takes it over.
 struct segment_delivery {
     shm_message message;
-    unique_fd fd;
+    std::vector<unique_fd> fds;  // one per message.ids
+    std::vector<bool> mapped;
     std::shared_ptr<follower_link> link;
-    bool reported = false;
 
     segment_delivery() = default;
     segment_delivery(segment_delivery&&) = default;
     segment_delivery& operator=(segment_delivery&&) = default;
     ~segment_delivery() {
-        if (link && !reported) link->report_released(message.segment);
+        if (!link) return;
+        for (std::size_t i = 0; i < mapped.size(); ++i)
+            if (!mapped[i]) link->report_released(message.ids[i]);
     }
 };
 
 template <class Group>
-segment_delivery take_segment(collective<Group>& c, same_host_state* state) {
+segment_delivery take_segments(collective<Group>& c, same_host_state* state) {
     segment_delivery d;
     auto corrupt = [&](const std::string& what) {
         return error(errc::corrupt_frame,
-                     c.where() + ": the frame announced a shared-memory segment, but " + what +
+                     c.where() + ": the frame announced shared-memory segments, but " + what +
                          "; the root runs an incompatible spbcast - build every rank from the "
                          "same release, or set options.transport = transport_mode::network");
     };
     if (!state || !state->link) throw corrupt("this rank has no same-host channel to the root");
-    const auto status = receive_message(state->link->socket(), d.message, d.fd, std::chrono::milliseconds(2000));
+    const auto status = receive_message(state->link->socket(), d.message, d.fds, std::chrono::milliseconds(2000));
     if (status == receive_status::closed)
         throw transport_error(errc::transport,
                               c.where() + " failed in phase 'shared segment': the root's same-host "
                                           "socket closed - the root has probably died; the group is "
                                           "unusable now - restart the job",
                               "shared segment");
-    if (status != receive_status::ok || d.message.kind != shm_message_kind::segment)
-        throw corrupt("no segment descriptor arrived with it");
+    if (status != receive_status::ok || d.message.kind != shm_message_kind::segments)
+        throw corrupt("no segment descriptors arrived with it");
+    d.mapped.assign(d.fds.size(), false);
     d.link = state->link;
     return d;
 }
 
-// Maps the delivered segment and returns one uint8 tensor per transferred slot over the
-// mapping (undefined for the slots in the frame); the
-// descriptor is closed before returning. Throws errc::corrupt_frame for a segment that does
-// not match the frame.
+// Maps the delivered segments and returns one uint8 tensor per transferred slot over the
+// mappings (undefined for the slots in the frame); the descriptors are closed before
+// returning. Throws errc::corrupt_frame for segments that do not match the frame.
 template <class Group>
-std::vector<at::Tensor> map_segment(collective<Group>& c, segment_delivery& d, const segment_layout& layout,
-                                    const std::vector<slot_meta>& slots, std::uint64_t header_sequence) {
+std::vector<at::Tensor> map_segments(collective<Group>& c, segment_delivery& d, const segment_layout& layout,
+                                     const std::vector<slot_meta>& slots, std::uint64_t header_sequence) {
     auto corrupt = [&](const std::string& what) {
         return error(errc::corrupt_frame,
                      c.where() + ": rejected the root's shared-memory segment: " + what +
@@ -174,26 +243,34 @@ std::vector<at::Tensor> map_segment(collective<Group>& c, segment_delivery& d, c
     if (d.message.sequence != header_sequence)
         throw corrupt("it belongs to broadcast #" + std::to_string(d.message.sequence) + ", not #" +
                       std::to_string(header_sequence));
-    if (d.message.segment != layout.segment || d.message.capacity != layout.capacity)
-        throw corrupt("it is not the segment the frame describes");
-    if (!d.fd) throw corrupt("no descriptor came with it");
-    if (const std::string why = check_received_segment(d.fd.get(), layout.capacity); !why.empty())
-        throw corrupt(why);
-    const std::size_t bytes = (layout.used + segment_page - 1) / segment_page * segment_page;
-    auto mapping = std::make_shared<shm_mapping>();
-    mapping->data = map_private(d.fd.get(), bytes);
-    if (bytes != 0 && !mapping->data) throw corrupt("mmap failed: " + errno_text(errno));
-    mapping->bytes = bytes;
-    mapping->segment = d.message.segment;
-    mapping->link = d.link;
-    d.reported = true;  // the mapping reports it when the last storage over it goes
-    d.fd.reset();
+    if (d.fds.size() != layout.segments.size())
+        throw corrupt(std::to_string(d.fds.size()) + " descriptors came for the frame's " +
+                      std::to_string(layout.segments.size()) + " segments");
+    std::vector<std::shared_ptr<shm_mapping>> mappings;
+    for (std::size_t j = 0; j < layout.segments.size(); ++j) {
+        const auto& segment = layout.segments[j];
+        if (d.message.ids[j] != segment.id) throw corrupt("it is not the segment the frame describes");
+        if (const std::string why = check_received_segment(d.fds[j].get(), segment.capacity); !why.empty())
+            throw corrupt(why);
+        const std::size_t bytes = (segment.used + segment_page - 1) / segment_page * segment_page;
+        auto mapping = std::make_shared<shm_mapping>();
+        mapping->data = map_private(d.fds[j].get(), bytes);
+        if (bytes != 0 && !mapping->data) throw corrupt("mmap failed: " + errno_text(errno));
+        mapping->bytes = bytes;
+        mapping->segment = segment.id;
+        mapping->link = d.link;
+        d.mapped[j] = true;  // the mapping reports it when the last storage over it goes
+        mappings.push_back(std::move(mapping));
+    }
+    d.fds.clear();
     std::vector<at::Tensor> out(slots.size());  // undefined for the slots in the frame
     std::uint32_t k = 0;
     for (std::size_t i = 0; i < slots.size(); ++i) {
         if (slots[i].in_frame) continue;
+        const auto& place = layout.places[k++];
+        const auto& mapping = mappings[place.segment];
         auto* keep = new std::shared_ptr<shm_mapping>(mapping);
-        out[i] = byte_tensor_on(static_cast<std::uint8_t*>(mapping->data) + layout.offsets[k++],
+        out[i] = byte_tensor_on(static_cast<std::uint8_t*>(mapping->data) + place.offset,
                                 static_cast<std::size_t>(slots[i].bytes), keep,
                                 [](void* p) { delete static_cast<std::shared_ptr<shm_mapping>*>(p); });
     }

@@ -47,11 +47,10 @@ void send_frame(collective<Group>& c, frame_header header, const std::vector<std
 }
 
 template <class Group>
-void send_payload(collective<Group>& c, const send_plan& plan, const frame_header& header,
-                  const segment_layout* layout);
+void send_payload(collective<Group>& c, const send_plan& plan, const frame_header& header);
 
-// `same_host`: the (group, root) chose the same-host path; the transferred slots then go into a
-// shared segment before the frame is sent, and only the status trailer follows the frame.
+// `same_host`: the (group, root) chose the same-host path; the transferred slots then go into
+// shared segments before the frame is sent, and the frame is the whole broadcast.
 template <class T, class Group>
 void send(collective<Group>& c, const T& value, same_host_state* same_host = nullptr) {
     const options& opts = c.opts();
@@ -105,9 +104,9 @@ void send(collective<Group>& c, const T& value, same_host_state* same_host = nul
     header.fingerprint = fingerprint_of<T>;
     header.payload_bytes = plan.payload_bytes();
     header.slot_count = transferred_slot_count(plan.slots());
-    header.flags = (opts.checksum ? checksum_trailer : 0) | (layout ? shared_segment : 0);
+    header.flags = (opts.checksum ? payload_checksums : 0) | (layout ? shared_segment : 0);
     send_frame(c, header, body.bytes());
-    send_payload(c, plan, header, layout ? &*layout : nullptr);
+    send_payload(c, plan, header);
 }
 
 // Sends every announced slot and the status trailer. Packing a bucket can still fail here (an
@@ -115,21 +114,19 @@ void send(collective<Group>& c, const T& value, same_host_state* same_host = nul
 // error, so followers finish the sequence the header announced and raise the root's message at
 // once, and the group stays in step.
 template <class Group>
-void send_payload(collective<Group>& c, const send_plan& plan, const frame_header& header,
-                  const segment_layout* layout) {
+void send_payload(collective<Group>& c, const send_plan& plan, const frame_header& header) {
     const auto& slots = plan.slots();
-    if (!has_trailer(header.slot_count)) {
+    if (!has_trailer(header)) {
         c.wait_all();
         return;
     }
-    const bool with_checksums = header.flags & checksum_trailer;
+    const bool with_checksums = header.flags & payload_checksums;
     std::vector<std::uint64_t> checksums;
     std::string failure;
     errc failure_code = errc::unsupported_value;
     at::Tensor zeros;  // stands in for the slots after a failure
     std::uint32_t sent = 0;
-    if (layout) checksums = layout->checksums;  // the slots are in the segment, packed already
-    for (std::uint32_t i = 0; i < slots.size() && !layout; ++i) {
+    for (std::uint32_t i = 0; i < slots.size(); ++i) {
         if (slots[i].in_frame) continue;
         const std::string phase = "payload slot " + std::to_string(++sent) + "/" + std::to_string(header.slot_count);
         at::Tensor slot;

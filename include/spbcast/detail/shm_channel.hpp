@@ -9,8 +9,9 @@
 //   must match the root's, and the connect must succeed. Every rank states its result in a
 //   broadcast of its own, so every rank sees the same flags and takes the same decision - no
 //   rank ever decides by a timeout. The root confirms in one last broadcast.
-// - Messages: the root sends a segment descriptor (SCM_RIGHTS) before the frame of the batch
-//   that uses it; a follower answers "released" when the last storage over it is gone.
+// - Messages: before the frame of a batch the root sends one message with the descriptors of
+//   every segment the batch lies in (SCM_RIGHTS) and their ids; a follower answers "released"
+//   per segment when the last storage over it is gone.
 #pragma once
 
 #include "../error.hpp"
@@ -48,32 +49,38 @@
 namespace spbcast::detail {
 
 inline constexpr std::uint32_t shm_message_magic = 0x4D485353;  // "SSHM"
-enum class shm_message_kind : std::uint32_t { hello = 1, segment = 2, released = 3 };
+enum class shm_message_kind : std::uint32_t { hello = 1, segments = 2, released = 3 };
+// The most segments one batch lies in (its own and the leader's shared allocations, see
+// shm_allocator.hpp); further shared allocations of a batch are copied into its own segment.
+inline constexpr std::size_t max_batch_segments = 32;
 
 struct shm_message {
     std::uint32_t magic = shm_message_magic;
     shm_message_kind kind = shm_message_kind::hello;
-    std::uint64_t sequence = 0;  // the broadcast it belongs to (segment), or the rank (hello)
-    std::uint64_t segment = 0;
-    std::uint64_t capacity = 0;
+    std::uint64_t sequence = 0;  // the broadcast it belongs to (segments), or the rank (hello)
+    std::uint64_t segment = 0;   // released: which one
+    std::uint32_t count = 0;     // segments: descriptors attached, one per id below
+    std::uint32_t reserved = 0;
+    std::uint64_t ids[max_batch_segments] = {};
 };
-static_assert(sizeof(shm_message) == 32);
+static_assert(sizeof(shm_message) == 32 + 8 * max_batch_segments);
 
-// Sends `m`, with `fd` attached when it is not negative. Never raises SIGPIPE.
-inline bool send_message(int sock, const shm_message& m, int fd = -1) {
+// Sends `m` with `fds` attached. Never raises SIGPIPE.
+inline bool send_message(int sock, const shm_message& m, const std::vector<int>& fds = {}) {
     iovec iov{const_cast<shm_message*>(&m), sizeof m};
     msghdr msg{};
     msg.msg_iov = &iov;
     msg.msg_iovlen = 1;
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    if (fd >= 0) {
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * max_batch_segments)] = {};
+    if (!fds.empty()) {
+        if (fds.size() > max_batch_segments) return false;
         msg.msg_control = control;
-        msg.msg_controllen = sizeof control;
+        msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
         cmsghdr* c = CMSG_FIRSTHDR(&msg);
         c->cmsg_level = SOL_SOCKET;
         c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int));
-        std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
+        c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+        std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
     }
     for (;;) {
         const ssize_t n = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
@@ -86,9 +93,11 @@ inline bool send_message(int sock, const shm_message& m, int fd = -1) {
 enum class receive_status { ok, closed, timed_out, malformed };
 
 // Receives one message within `timeout` (negative: do not wait). Every descriptor that arrives
-// is either returned in `fd` (at most one) or closed here, so nothing a peer sends can leak.
-inline receive_status receive_message(int sock, shm_message& m, unique_fd& fd,
+// is either returned in `fds` (as many as the message counts) or closed here, so nothing a peer
+// sends can leak.
+inline receive_status receive_message(int sock, shm_message& m, std::vector<unique_fd>& fds_out,
                                       std::chrono::milliseconds timeout) {
+    fds_out.clear();
     pollfd p{sock, POLLIN, 0};
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (;;) {
@@ -103,7 +112,7 @@ inline receive_status receive_message(int sock, shm_message& m, unique_fd& fd,
     msghdr msg{};
     msg.msg_iov = &iov;
     msg.msg_iovlen = 1;
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)] = {};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * max_batch_segments)] = {};
     msg.msg_control = control;
     msg.msg_controllen = sizeof control;
     ssize_t n;
@@ -128,11 +137,11 @@ inline receive_status receive_message(int sock, shm_message& m, unique_fd& fd,
         return receive_status::closed;
     }
     if (n != static_cast<ssize_t>(sizeof m) || m.magic != shm_message_magic ||
-        (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || fds.size() > 1) {
+        (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || fds.size() != m.count) {
         close_all();
         return n < 0 ? receive_status::closed : receive_status::malformed;
     }
-    if (!fds.empty()) fd.reset(fds.front());
+    for (int f : fds) fds_out.emplace_back(f);
     return receive_status::ok;
 }
 
@@ -242,7 +251,7 @@ struct same_host_state {
         for (root_link& l : links) {
             while (l.alive) {
                 shm_message m;
-                unique_fd stray;
+                std::vector<unique_fd> stray;
                 const auto status = receive_message(l.sock.get(), m, stray, std::chrono::milliseconds(-1));
                 if (status == receive_status::timed_out) break;
                 if (status != receive_status::ok || m.kind != shm_message_kind::released) {
@@ -547,7 +556,7 @@ std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options
             ucred cred{};
             socklen_t len = sizeof cred;
             shm_message hello;
-            unique_fd stray;
+            std::vector<unique_fd> stray;
             if (!conn || ::getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
                 cred.uid != ::getuid() ||
                 receive_message(conn.get(), hello, stray, std::chrono::milliseconds(10000)) != receive_status::ok ||

@@ -1,10 +1,12 @@
-// The root's pool of shared-memory segments.
+// The root's pool of shared-memory segments: the ones it copies batches into, and the ones its
+// loader allocates tensors in (shm_allocator.hpp).
 //
 // Filling fresh shared pages costs a fault and a kernel clear per page on top of the copy, so a
 // segment that every follower has let go of is filled again for a later batch instead of being
 // freed (copying into resident pages). A segment is "held" while any follower still maps it
-// (it said so over its socket); the root never writes into a held segment, because a follower's
-// private mapping shows the root's writes to pages that follower has not written itself.
+// (it said so over its socket) or a tensor of the root's own lives in it; the root never writes
+// into a segment a follower holds, because a follower's private mapping shows the root's
+// writes to pages that follower has not written itself.
 //
 // Bounded like the receive cache: free segments that the next batches did not reuse are freed,
 // free bytes never exceed the limit, and release() frees every free segment at once.
@@ -23,10 +25,12 @@ namespace spbcast::detail {
 struct shm_pool_stats {
     std::size_t limit_bytes = 0;      // bound on free (cached) segment bytes
     std::size_t cached_bytes = 0;     // free segments kept for reuse
-    std::size_t held_bytes = 0;       // segments some follower still maps
+    std::size_t held_bytes = 0;       // segments some follower still maps, or a root's tensor lives in
     std::size_t segments_reused = 0;  // batches filled into a recycled segment
     std::size_t segments_created = 0; // batches that needed a new segment
     std::size_t network_fallbacks = 0;  // batches sent over the network: no segment available
+    std::size_t tensors_allocated = 0;  // tensors the root allocated in segments (shm_allocator.hpp)
+    std::size_t tensors_shared = 0;     // of those, sent without a copy (their segment handed over)
 };
 
 class shm_pool {
@@ -49,12 +53,8 @@ public:
         explicit operator bool() const { return fd >= 0; }
     };
 
-    // A free segment of at least `bytes` (reused when one fits without wasting more than a
-    // quarter or 2 MiB: followers map only the bytes in use, so the slack costs nobody new
-    // memory), or a new one; marked held by `holders` followers. On failure an empty lease
-    // and the reason.
-    lease acquire(std::size_t bytes, int holders, std::string& why_not) {
-        const std::size_t need = std::max<std::size_t>((bytes + rounding - 1) / rounding * rounding, rounding);
+    // A batch begins: free segments that the last batches did not reuse are freed.
+    void next_batch() {
         std::lock_guard<std::mutex> lock(mutex_);
         ++clock_;
         for (auto it = segments_.begin(); it != segments_.end();) {
@@ -66,6 +66,15 @@ public:
                 ++it;
             }
         }
+    }
+
+    // A free segment of at least `bytes` (reused when one fits without wasting more than a
+    // quarter or 2 MiB: followers map only the bytes in use, so the slack costs nobody new
+    // memory), or a new one; marked held by `holders`. On failure an empty lease and the
+    // reason.
+    lease acquire(std::size_t bytes, int holders, std::string& why_not) {
+        const std::size_t need = std::max<std::size_t>((bytes + rounding - 1) / rounding * rounding, rounding);
+        std::lock_guard<std::mutex> lock(mutex_);
         entry* best = nullptr;
         for (auto& [id, e] : segments_)
             if (e.holders == 0 && e.segment.capacity() >= need &&
@@ -92,7 +101,19 @@ public:
         return {id, e.segment.fd(), e.segment.data(), e.segment.capacity()};
     }
 
-    // One follower let go of segment `id` (it unmapped it, or never mapped it).
+    // `count` more followers hold segment `id` (a root's tensor in it was handed over).
+    void hold(std::uint64_t id, int count) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (auto it = segments_.find(id); it != segments_.end()) it->second.holders += count;
+    }
+
+    void count_tensor(bool shared) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++(shared ? tensors_shared_ : tensors_allocated_);
+    }
+
+    // One holder let go of segment `id`: a follower unmapped it (or never mapped it), or the
+    // root's tensor in it was freed.
     void release(std::uint64_t id) {
         std::lock_guard<std::mutex> lock(mutex_);
         auto it = segments_.find(id);
@@ -135,6 +156,8 @@ public:
         s.segments_reused = reused_;
         s.segments_created = created_;
         s.network_fallbacks = fallbacks_;
+        s.tensors_allocated = tensors_allocated_;
+        s.tensors_shared = tensors_shared_;
         return s;
     }
 
@@ -166,7 +189,7 @@ private:
     std::uint64_t clock_ = 0;
     std::size_t cached_ = 0;
     std::size_t limit_ = default_limit;
-    std::size_t reused_ = 0, created_ = 0, fallbacks_ = 0;
+    std::size_t reused_ = 0, created_ = 0, fallbacks_ = 0, tensors_allocated_ = 0, tensors_shared_ = 0;
 };
 
 }  // namespace spbcast::detail
