@@ -21,6 +21,10 @@
 //   spbcast    spbcast::broadcast(batch, group) over the network path (transport_mode::network);
 //   spbcast_shm  the same over the same-host path (transport_mode::shared_memory): the payload
 //              in a shared segment the followers map, no payload collective;
+//   spbcast_shm_alloc  the same, with the root's batch allocated in shared memory in the first
+//              place (spbcast::shared_memory_scope, as a collator would): its large storages
+//              are handed over without a copy. The root's batch is rebuilt in the scope before
+//              each step, outside the timed region;
 //   naive      the metadata serialized into one buffer (its size broadcast, then its bytes),
 //              then one broadcast per distinct tensor;
 //   coalesced  c10d::broadcast_coalesced (LibTorch's own, bucketed per dtype), the shapes given
@@ -83,7 +87,7 @@ namespace {
 using clock_type = std::chrono::steady_clock;
 using gloo_ptr = c10::intrusive_ptr<c10d::ProcessGroupGloo>;
 
-const std::vector<std::string> all_methods = {"raw", "raw_fresh", "spbcast", "spbcast_shm", "naive", "coalesced"};
+const std::vector<std::string> all_methods = {"raw", "raw_fresh", "spbcast", "spbcast_shm", "spbcast_shm_alloc", "naive", "coalesced"};
 
 // ---------------------------------------------------------------------------------------------
 // Command line
@@ -135,7 +139,7 @@ std::string join_ints(const std::vector<int>& items) {
     std::cerr
         << "spbcast_bench: " << error << "\n"
         << "usage: spbcast_bench [--world-sizes 2,4,8] [--profiles text,qwen3-vl-image,...]\n"
-           "         [--micro-batches 1,4] [--methods raw,raw_fresh,spbcast,spbcast_shm,naive,coalesced]\n"
+           "         [--micro-batches 1,4] [--methods raw,raw_fresh,spbcast,spbcast_shm,spbcast_shm_alloc,naive,coalesced]\n"
            "         [--repeats 7] [--warmup 2] [--big-repeats N --big-mib 256] [--seed 0]\n"
            "         [--bucket-mib 16] [--threads 1] [--pg-timeout 300] [--cell-timeout 1200]\n"
            "         [--deadline 14400] [--mem-limit-gib G] [--json out.json] [--rows rows.jsonl]\n"
@@ -656,11 +660,12 @@ struct rank_context {
 };
 
 // One method on this rank: its state lives as long as the cell, so that the timed steps of all
-// methods can be interleaved. step() runs one broadcast and keeps what arrived; digest() says
-// what arrived (followers); drop() releases it, as a trainer drops the previous batch before
-// the next one comes.
+// methods can be interleaved. prepare() readies a step, untimed; step() runs one broadcast and
+// keeps what arrived; digest() says what arrived (followers); drop() releases it, as a trainer
+// drops the previous batch before the next one comes.
 struct method {
     std::string name;
+    std::function<void()> prepare = [] {};
     std::function<void()> step;
     std::function<std::optional<std::uint64_t>()> digest = [] { return std::nullopt; };
     std::function<void()> drop = [] {};
@@ -762,13 +767,22 @@ void run_cell(rank_context& ctx, const cell& c, std::ofstream* rows) {
                     spbcast::broadcast(*m.received, counted, opts);
                 }
             };
-        } else if (name == "spbcast_shm") {
+        } else if (name == "spbcast_shm" || name == "spbcast_shm_alloc") {
             // The handshake runs once per (group, root), before anything is measured.
             std::vector<at::Tensor> nothing;
             spbcast::broadcast(nothing, counted, shm_opts);
-            m.step = [&, &m = m] {
+            const bool leader_allocates = name == "spbcast_shm_alloc";
+            if (leader_allocates && root)
+                m.prepare = [&, &m = m] {
+                    spbcast::shared_memory_scope in_shared_memory;
+                    std::vector<at::Tensor> cores;
+                    for (const auto& core : root_cores) cores.push_back(core.clone());
+                    m.received = batch;
+                    fill_tensors(*m.received, root_layout, cores);
+                };
+            m.step = [&, &m = m, leader_allocates] {
                 if (root) {
-                    spbcast::broadcast(batch, counted, shm_opts);
+                    spbcast::broadcast(leader_allocates ? *m.received : batch, counted, shm_opts);
                 } else {
                     m.received.emplace();
                     spbcast::broadcast(*m.received, counted, shm_opts);
@@ -845,6 +859,7 @@ void run_cell(rank_context& ctx, const cell& c, std::ofstream* rows) {
     for (auto& owned : methods) {
         method& m = *owned;
         try {
+            m.prepare();
             ctx.barrier();
             count = 0;
             m.step();
@@ -888,6 +903,7 @@ void run_cell(rank_context& ctx, const cell& c, std::ofstream* rows) {
             // SPBCAST_BENCH_DEBUG_MEM=1: each rank prints its memory after every warm-up step.
             static const bool debug_mem = std::getenv("SPBCAST_BENCH_DEBUG_MEM") != nullptr;
             for (int i = 0; i < warmup; ++i) {
+                m.prepare();
                 ctx.barrier();
                 m.step();
                 if (debug_mem)
@@ -924,6 +940,7 @@ void run_cell(rank_context& ctx, const cell& c, std::ofstream* rows) {
         for (std::size_t j = 0; j < k; ++j) {
             method& m = *methods[(j + static_cast<std::size_t>(round)) % k];
             try {
+                m.prepare();
                 ctx.barrier();
                 count = 0;
                 const auto t0 = clock_type::now();

@@ -38,6 +38,7 @@ import pathlib
 import platform
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -46,7 +47,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 MiB = 2**20
 
-CPP_METHODS = ["raw", "raw_fresh", "spbcast", "spbcast_shm", "naive", "coalesced"]
+CPP_METHODS = ["raw", "raw_fresh", "spbcast", "spbcast_shm", "spbcast_shm_alloc", "naive", "coalesced"]
+SHM_METHODS = ["spbcast_shm", "spbcast_shm_alloc"]
 PY_METHODS = ["pickle", "accelerate", "tensordict", "spbcast-py"]
 MEDIA_PROFILES = ["qwen3-vl-image", "interns1-tiles", "qwen3-vl-video-long"]
 LABELS = {
@@ -54,6 +56,7 @@ LABELS = {
     "raw_fresh": "raw, fresh buffer",
     "spbcast": "spbcast::broadcast (network)",
     "spbcast_shm": "spbcast::broadcast (same host)",
+    "spbcast_shm_alloc": "spbcast::broadcast (same host, leader allocates in shared memory)",
     "naive": "naive (meta + per tensor)",
     "coalesced": "c10d broadcast_coalesced",
     "pickle": "py: broadcast_object_list",
@@ -221,7 +224,83 @@ def check_targets(rows: list[dict], bucket_bytes: int, max_in_flight: int = 2) -
                 add("spbcast from Python >= 5x faster than broadcast_object_list (media)", key,
                     speedup >= 5, speedup, f"{speedup:.1f}x ({fmt_ms(pk['ms_median'])} ms vs "
                     f"{fmt_ms(py['ms_median'])} ms)")
+    checks += check_same_host_targets(by)
     return checks
+
+
+def check_same_host_targets(by: dict) -> list[dict]:
+    """Issue 9's targets for the same-host methods, each method judged on its own."""
+    checks = []
+    ok = lambda r: r is not None and r.get("status") == "ok"
+    for name in SHM_METHODS:
+        label = "same host" if name == "spbcast_shm" else "same host, leader allocates"
+
+        def add(target, key, met, value, detail):
+            checks.append({"target": f"{label}: {target}", "profile": key[0], "micro_batches": key[1],
+                           "world_size": key[2], "met": bool(met), "value": value, "detail": detail})
+
+        for key, methods in sorted(by.items()):
+            m = methods.get(name)
+            if not ok(m):
+                continue
+            add("delivers the root's batch bit-exactly", key, m.get("correct") is True, m.get("correct"),
+                "spbcast::digest on every follower equals the root's")
+            ratio, payload = m.get("ratio_to_raw"), m["payload_bytes"]
+            if ratio is None:
+                continue
+            bound = {4: 0.35, 8: 0.2}.get(key[2])
+            if bound and payload >= 8 * MiB:
+                add(f"<= {bound}x raw (payload >= 8 MiB, world {key[2]})", key, ratio <= bound, ratio, f"{ratio:.2f}x raw")
+            if key[0] == "text" and payload < 1 * MiB:
+                add("<= 1.0x raw (text under 1 MiB)", key, ratio <= 1.0, ratio, f"{ratio:.2f}x raw")
+        for (profile, mb, world), methods in sorted(by.items()):
+            if world != 8 or not ok(methods.get(name)) or methods[name]["payload_bytes"] < 8 * MiB:
+                continue
+            two = by.get((profile, mb, 2), {}).get(name)
+            if ok(two):
+                growth = methods[name]["ms_median"] / two["ms_median"]
+                add("time at 8 ranks <= 1.3x the time at 2 (payload >= 8 MiB)", (profile, mb, world), growth <= 1.3,
+                    growth, f"{fmt_ms(methods[name]['ms_median'])} ms at 8 vs {fmt_ms(two['ms_median'])} ms at 2 ({growth:.2f}x)")
+    return checks
+
+
+def group_memory(shm_worker: pathlib.Path, profiles: list[str], micro_batches: int, worlds: list[int],
+                 out: pathlib.Path, timeout: float) -> list[dict]:
+    """Group memory while a batch is alive - the sum of every rank's Pss_Anon change plus the change
+    in the host's Shmem, over the payload - for the network path, the same-host path and the
+    same-host path with the leader allocating in shared memory (tests/shm_worker.cpp)."""
+    rows = []
+    for profile in profiles:
+        for world in worlds:
+            for arm, extra in (("network", ["network"]), ("same host", ["auto"]),
+                               ("same host, leader allocates", ["auto", "leader_allocates"])):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+                log = out / f"group-memory-{profile}-{world}-{extra[-1]}.log"
+                procs = []
+                with open(log, "w") as f:
+                    for rank in range(world):
+                        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+                        procs.append(subprocess.Popen([str(shm_worker), "group_memory", profile, str(micro_batches)] + extra,
+                                                      env=env, stdout=f if rank == 0 else subprocess.DEVNULL, stderr=f))
+                    codes = [p.wait(timeout=timeout) for p in procs]
+                found = re.search(r"([0-9.]+)x the payload", log.read_text())
+                rows.append({"profile": profile, "micro_batches": micro_batches, "world_size": world, "arm": arm,
+                             "ratio": float(found.group(1)) if found and not any(codes) else None,
+                             "line": log.read_text().strip().splitlines()[-1] if log.read_text().strip() else ""})
+                print(f"  group memory {profile} mb={micro_batches} ws={world} {arm}: {rows[-1]['ratio']}", file=sys.stderr)
+    return rows
+
+
+def check_memory_targets(rows: list[dict]) -> list[dict]:
+    bounds = {"same host": 2.2, "same host, leader allocates": 1.2}
+    return [{"target": f"{r['arm']}: group memory <= {bounds[r['arm']]}x the payload", "profile": r["profile"],
+             "micro_batches": r["micro_batches"], "world_size": r["world_size"],
+             "met": r["ratio"] is not None and r["ratio"] <= bounds[r["arm"]], "value": r["ratio"],
+             "detail": f"{r['ratio']:.2f}x" if r["ratio"] is not None else "did not run"}
+            for r in rows if r["arm"] in bounds]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,8 +368,48 @@ def markdown(doc: dict) -> str:
             + (f"{best_peer['method']} {fmt_ms(best_peer['ms_median'])} | {best_peer['ms_median'] / sp['ms_median']:.2f}x |" if best_peer else "- | - |"))
     lines += ["", "`x raw`: spbcast's time over raw's. `best C++ other` and `spbcast speed-up`: their time over spbcast's (above 1: spbcast is faster).", ""]
 
+    # The same-host path, side by side with raw, the network path and the Python peers.
+    if any(r["method"] in SHM_METHODS for r in rows):
+        lines += [
+            "### The same-host path",
+            "",
+            "| profile | mb | ranks | payload | raw ms | network ms (x raw) | same host ms (x raw) | same host, leader allocates ms (x raw) | colls net / same host | fastest Python peer ms | correct |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for key in sorted(by, key=lambda k: (profile_order(k[0]), k[1], k[2])):
+            ms = by[key]
+            ok = lambda r: r is not None and r.get("status") == "ok"
+            cols = []
+            for name in ("spbcast",) + tuple(SHM_METHODS):
+                r = ms.get(name)
+                cols.append(f"{fmt_ms(r['ms_median'])} ({r['ratio_to_raw']:.2f}x)" if ok(r) and r.get("ratio_to_raw") else (r.get("status") if r else "-"))
+            peers = [r for n, r in ms.items() if r.get("impl") == "python" and ok(r) and n != "spbcast-py"]
+            best_peer = min(peers, key=lambda r: r["ms_median"]) if peers else None
+            payload = next((r.get("payload_bytes") for r in ms.values() if r.get("payload_bytes")), None)
+            raw = ms.get("raw")
+            colls = " / ".join(str(ms[n]["collectives"]) if ok(ms.get(n)) else "-" for n in ("spbcast", "spbcast_shm"))
+            correct = ", ".join(str(ms[n].get("correct")) if ok(ms.get(n)) else "-" for n in ("spbcast",) + tuple(SHM_METHODS))
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {fmt_bytes(payload)} | {fmt_ms(raw['ms_median']) if ok(raw) else '-'} | "
+                         + " | ".join(cols) + f" | {colls} | "
+                         + (f"{best_peer['method']} {fmt_ms(best_peer['ms_median'])}" if best_peer else "-") + f" | {correct} |")
+        lines.append("")
+    if doc.get("group_memory"):
+        lines += ["### Group memory while a batch is alive", "",
+                  "The sum over the ranks of the change in `Pss_Anon` plus the change in the host's `Shmem`, from before "
+                  "the root builds its batch until every rank holds it, over the payload (`tests/shm_worker.cpp group_memory`).", "",
+                  "| profile | mb | ranks | network | same host | same host, leader allocates |", "|---|---|---|---|---|---|"]
+        gm = {}
+        for r in doc["group_memory"]:
+            gm.setdefault((r["profile"], r["micro_batches"], r["world_size"]), {})[r["arm"]] = r["ratio"]
+        for key in sorted(gm, key=lambda k: (profile_order(k[0]), k[1], k[2])):
+            cell = gm[key]
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | "
+                         + " | ".join(f"{cell[a]:.2f}x" if cell.get(a) is not None else "-"
+                                      for a in ("network", "same host", "same host, leader allocates")) + " |")
+        lines.append("")
+
     # Targets.
-    lines += ["### Targets (issue 5)", "", "| target | met | cells | worst |", "|---|---|---|---|"]
+    lines += ["### Targets", "", "| target | met | cells | worst |", "|---|---|---|---|"]
     groups = {}
     for c in doc["targets"]:
         groups.setdefault(c["target"], []).append(c)
@@ -365,7 +484,7 @@ def plot(doc: dict, path: pathlib.Path) -> str | None:
     nrows = (len(cells) + ncols - 1) // ncols
     fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 3.6 * nrows), squeeze=False)
     styles = {"raw": ("k", "-", "o"), "raw_fresh": ("0.5", "--", "o"), "spbcast": ("tab:red", "-", "s"),
-              "spbcast_shm": ("tab:cyan", "-", "*"),
+              "spbcast_shm": ("tab:cyan", "-", "*"), "spbcast_shm_alloc": ("tab:olive", "-", "*"),
               "naive": ("tab:blue", "-", "^"), "coalesced": ("tab:green", "-", "v"),
               "pickle": ("tab:purple", ":", "x"), "accelerate": ("tab:orange", ":", "D"),
               "tensordict": ("tab:brown", ":", "P"), "spbcast-py": ("tab:pink", "-", "*")}
@@ -423,6 +542,9 @@ def main(argv=None):
                    help="repeats of cells of --big-mib or more (default: --repeats)")
     p.add_argument("--big-mib", type=int, default=256)
     p.add_argument("--no-python", action="store_true", help="skip the Python peers")
+    p.add_argument("--memory-profiles", default="qwen3-vl-image,interns1-tiles,qwen3-vl-video-long",
+                   help="profiles of the group-memory measurement ('' skips it)")
+    p.add_argument("--memory-micro-batches", type=int, default=1)
     p.add_argument("--python", default=None, help="Python with torch for the peers (default: SPBCAST_PYTHON from the build, else this one)")
     p.add_argument("--compile", action="store_true", help="also measure the compile-time cost (several minutes)")
     p.add_argument("--timeout", type=float, default=6 * 3600, help="seconds for each of the two grids (default: 6 h)")
@@ -496,7 +618,17 @@ def main(argv=None):
         else:
             print(f"python peers wrote no results (exit {code}); see {out / 'python_peers.log'}", file=sys.stderr)
 
-    # 3. Compile-time cost, on request.
+    # 3. Group memory of the same-host path (needs the tests' shm worker from the same build).
+    memory = []
+    shm_worker = build / "tests/spbcast_shm_worker"
+    if args.memory_profiles and not args.quick:
+        if shm_worker.exists():
+            memory = group_memory(shm_worker, args.memory_profiles.split(","), args.memory_micro_batches,
+                                  [int(w) for w in args.world_sizes.split(",")], out, 600)
+        else:
+            print(f"group memory skipped: {shm_worker} not built", file=sys.stderr)
+
+    # 4. Compile-time cost, on request.
     compile_md = None
     if args.compile:
         run([sys.executable, str(BENCH / "compile_cost.py"), "--build", str(build), "--out", str(out)],
@@ -516,7 +648,8 @@ def main(argv=None):
         "cpp": {k: v for k, v in cpp.items() if k != "results"},
         "python": {k: v for k, v in py.items() if k != "results"} if py else None,
         "rows": rows,
-        "targets": check_targets(rows, cpp["config"]["bucket_bytes"]),
+        "group_memory": memory,
+        "targets": check_targets(rows, cpp["config"]["bucket_bytes"]) + check_memory_targets(memory),
         "compile": compile_md,
     }
     (out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")

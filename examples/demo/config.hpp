@@ -34,6 +34,9 @@ struct PipelineConfig {
     int num_workers = 2;          // 0 loads in the calling thread
     bool persistent_workers = false;
     int prefetch_factor = 2;      // batches in flight per worker
+    // The collated tensors of at least 1 MiB are allocated in spbcast's shared memory
+    // (spbcast::shared_memory_scope), for an SP leader on the same-host path.
+    bool collate_in_shared_memory = false;
 
     // Data parallelism: each DP replica reads its own share of every epoch, like
     // DistributedSampler. The SP ranks of one replica share a loader, so this is the DP rank.

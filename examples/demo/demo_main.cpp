@@ -11,6 +11,7 @@
 #include "demo_results.hpp"
 #include "demo_worker.hpp"
 #include "packing.hpp"
+#include "pss.hpp"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -285,7 +286,9 @@ std::string launch(const DemoOptions& o, const std::vector<std::string>& args, c
 
 struct Setting {
     int sp = 1, dp = 1;
-    std::vector<RankResult> base, dedup, part1, part2;  // part1/part2: the dedup restart
+    // dedup: over the same-host path; dedup_network: the network path; part1/part2: the dedup
+    // restart.
+    std::vector<RankResult> base, dedup, dedup_network, part1, part2;
     double seconds = 0;
 };
 
@@ -298,8 +301,8 @@ struct Check {
 struct Report {
     int sp = 1, dp = 1;
     int loaders_base = 0, loaders_dedup = 0;
-    double step_base = 0, step_dedup = 0;
-    demo::PssSummary pss_base, pss_dedup;
+    double step_base = 0, step_dedup = 0, step_dedup_network = 0;
+    demo::PssSummary pss_base, pss_dedup, pss_dedup_network;
     int64_t window_first = 1, window_last = 1, saved_at = 0;
     std::vector<Check> checks;
     bool ok() const {
@@ -346,8 +349,10 @@ Report evaluate(const Setting& s, const DemoOptions& o) {
     rep.loaders_dedup = demo::loaders_built(s.dedup);
     rep.step_base = demo::median_step_seconds(s.base, rep.window_first, rep.window_last);
     rep.step_dedup = demo::median_step_seconds(s.dedup, rep.window_first, rep.window_last);
+    rep.step_dedup_network = demo::median_step_seconds(s.dedup_network, rep.window_first, rep.window_last);
     rep.pss_base = demo::summarise_pss(s.base, rep.window_first, rep.window_last);
     rep.pss_dedup = demo::summarise_pss(s.dedup, rep.window_first, rep.window_last);
+    rep.pss_dedup_network = demo::summarise_pss(s.dedup_network, rep.window_first, rep.window_last);
 
     auto add = [&](std::string name, std::string problem) {
         rep.checks.push_back({std::move(name), problem.empty(), std::move(problem)});
@@ -355,7 +360,8 @@ Report evaluate(const Setting& s, const DemoOptions& o) {
     const int world = o.world_size;
     std::string ran = missing_steps(s.base, world, 1, o.steps);
     if (ran.empty()) ran = missing_steps(s.dedup, world, 1, o.steps);
-    add("every rank ran all " + std::to_string(o.steps) + " steps in BASE and dedup", ran);
+    if (ran.empty()) ran = missing_steps(s.dedup_network, world, 1, o.steps);
+    add("every rank ran all " + std::to_string(o.steps) + " steps in BASE and both dedup arms", ran);
 
     add("dedup built fewer loaders than BASE (" + std::to_string(rep.loaders_dedup) + " < " +
             std::to_string(rep.loaders_base) + ")",
@@ -364,17 +370,21 @@ Report evaluate(const Setting& s, const DemoOptions& o) {
 
     std::vector<std::string> mismatch = demo::sp_group_mismatches(s.base);
     for (const std::string& m : demo::sp_group_mismatches(s.dedup)) mismatch.push_back("dedup: " + m);
-    add("batch digests equal across each SP group (BASE and dedup)", mismatch.empty() ? "" : mismatch.front());
+    for (const std::string& m : demo::sp_group_mismatches(s.dedup_network)) mismatch.push_back("dedup (network): " + m);
+    add("batch digests equal across each SP group (BASE and both dedup arms)", mismatch.empty() ? "" : mismatch.front());
 
-    add("batch digests equal between BASE and dedup, every rank and step",
-        ran.empty() ? first_difference(s.base, s.dedup, "BASE", "dedup") : "not every step ran");
+    std::string differ = "not every step ran";
+    if (ran.empty()) differ = first_difference(s.base, s.dedup, "BASE", "dedup");
+    if (ran.empty() && differ.empty()) differ = first_difference(s.base, s.dedup_network, "BASE", "dedup (network)");
+    add("batch digests equal between BASE and both dedup arms, every rank and step", differ);
 
     std::string rng;
-    for (size_t r = 0; r < s.base.size() && r < s.dedup.size() && rng.empty(); ++r)
-        if (s.base[r].rng != s.dedup[r].rng)
-            rng = "rank " + std::to_string(r) + ": BASE " + demo::hex64(s.base[r].rng) + ", dedup " +
-                  demo::hex64(s.dedup[r].rng);
-    add("default CPU generator ends in the same state in BASE and dedup, every rank", rng);
+    for (const auto* dedup : {&s.dedup, &s.dedup_network})
+        for (size_t r = 0; r < s.base.size() && r < dedup->size() && rng.empty(); ++r)
+            if (s.base[r].rng != (*dedup)[r].rng)
+                rng = "rank " + std::to_string(r) + ": BASE " + demo::hex64(s.base[r].rng) + ", " +
+                      (dedup == &s.dedup ? "dedup " : "dedup (network) ") + demo::hex64((*dedup)[r].rng);
+    add("default CPU generator ends in the same state in BASE and both dedup arms, every rank", rng);
 
     // The restart: steps 1..K in one job, K+1..N in a new one, against the continuous run.
     std::string restart = missing_steps(s.part1, world, 1, rep.saved_at);
@@ -418,18 +428,21 @@ struct RunInfo {
 std::string markdown_table(const std::vector<Report>& reports, const DemoOptions& o) {
     std::ostringstream t;
     const std::string window = std::to_string(demo::window_first_step(o.steps)) + "-" + std::to_string(o.steps);
-    t << "| SP / DP | Pack length | Global batch | Loaders built BASE -> dedup | Step median BASE / dedup (s), steps "
-      << window << " | Summed CPU PSS, steady, BASE -> dedup | Peak BASE -> dedup | Batches equal (SP group, BASE = dedup) "
-                   "| Restart = continuous |\n";
+    t << "| SP / DP | Pack length | Global batch | Loaders built BASE -> dedup | Step median (s), steps " << window
+      << ": BASE / dedup network / dedup same host | Group memory, steady: BASE / dedup network / dedup same host "
+         "| Peak: BASE / network / same host | Batches equal (SP group, BASE = dedup) | Restart = continuous |\n";
     t << "|---|---|---|---|---|---|---|---|---|\n";
+    auto gib = [](const demo::PssSummary& a, const demo::PssSummary& b, const demo::PssSummary& c, double demo::PssSummary::*f) {
+        return fixed(a.*f / kGiB, 2) + " / " + fixed(b.*f / kGiB, 2) + " / " + fixed(c.*f / kGiB, 2) + " GiB";
+    };
     for (const Report& r : reports) {
         auto ok = [&](size_t i) { return r.checks.at(i).ok ? std::string("yes") : std::string("**NO**"); };
         t << "| " << r.sp << " / " << r.dp << " | " << o.pack_length << " | " << r.dp * o.micro_batches << " | "
           << r.loaders_base << " -> " << r.loaders_dedup << " | " << fixed(r.step_base, 3) << " / "
-          << fixed(r.step_dedup, 3) << " | " << fixed(r.pss_base.steady_bytes / kGiB, 2) << " -> "
-          << fixed(r.pss_dedup.steady_bytes / kGiB, 2) << " GiB | " << fixed(r.pss_base.peak_bytes / kGiB, 2)
-          << " -> " << fixed(r.pss_dedup.peak_bytes / kGiB, 2) << " GiB | " << ok(2) << ", " << ok(3) << " | "
-          << ok(5) << " |\n";
+          << fixed(r.step_dedup_network, 3) << " / " << fixed(r.step_dedup, 3) << " | "
+          << gib(r.pss_base, r.pss_dedup_network, r.pss_dedup, &demo::PssSummary::steady_bytes) << " | "
+          << gib(r.pss_base, r.pss_dedup_network, r.pss_dedup, &demo::PssSummary::peak_bytes) << " | " << ok(2)
+          << ", " << ok(3) << " | " << ok(5) << " |\n";
     }
     return t.str();
 }
@@ -504,11 +517,14 @@ std::string json_report(const std::vector<Report>& reports, const std::vector<Se
           << ", \"pack_length\": " << o.pack_length << ", \"global_batch\": " << r.dp * o.micro_batches << ",\n";
         j << "     \"loaders_built\": {\"base\": " << r.loaders_base << ", \"dedup\": " << r.loaders_dedup << "},\n";
         j << "     \"step_median_seconds\": {\"base\": " << json_number(r.step_base, 4)
-          << ", \"dedup\": " << json_number(r.step_dedup, 4) << "},\n";
-        j << "     \"pss_steady_gib\": {\"base\": " << json_number(r.pss_base.steady_bytes / kGiB, 3)
-          << ", \"dedup\": " << json_number(r.pss_dedup.steady_bytes / kGiB, 3) << "},\n";
-        j << "     \"pss_peak_gib\": {\"base\": " << json_number(r.pss_base.peak_bytes / kGiB, 3)
-          << ", \"dedup\": " << json_number(r.pss_dedup.peak_bytes / kGiB, 3) << "},\n";
+          << ", \"dedup\": " << json_number(r.step_dedup, 4)
+          << ", \"dedup_network\": " << json_number(r.step_dedup_network, 4) << "},\n";
+        j << "     \"group_memory_steady_gib\": {\"base\": " << json_number(r.pss_base.steady_bytes / kGiB, 3)
+          << ", \"dedup\": " << json_number(r.pss_dedup.steady_bytes / kGiB, 3)
+          << ", \"dedup_network\": " << json_number(r.pss_dedup_network.steady_bytes / kGiB, 3) << "},\n";
+        j << "     \"group_memory_peak_gib\": {\"base\": " << json_number(r.pss_base.peak_bytes / kGiB, 3)
+          << ", \"dedup\": " << json_number(r.pss_dedup.peak_bytes / kGiB, 3)
+          << ", \"dedup_network\": " << json_number(r.pss_dedup_network.peak_bytes / kGiB, 3) << "},\n";
         j << "     \"restart\": {\"saved_after_step\": " << r.saved_at << ", \"resumed_steps\": [" << r.saved_at + 1
           << ", " << o.steps << "]},\n";
         j << "     \"checks\": [";
@@ -518,7 +534,7 @@ std::string json_report(const std::vector<Report>& reports, const std::vector<Se
               << "}";
         j << "],\n";
         j << "     \"digests\": {\"base\": " << json_digests(s.base) << ",\n                 \"dedup\": "
-          << json_digests(s.dedup) << ",\n                 \"restart_first\": " << json_digests(s.part1)
+          << json_digests(s.dedup) << ",\n                 \"dedup_network\": " << json_digests(s.dedup_network) << ",\n                 \"restart_first\": " << json_digests(s.part1)
           << ",\n                 \"restart_resumed\": " << json_digests(s.part2) << "},\n";
         j << "     \"seconds\": " << json_number(s.seconds, 1) << "}" << (i + 1 < reports.size() ? "," : "") << "\n";
     }
@@ -526,12 +542,13 @@ std::string json_report(const std::vector<Report>& reports, const std::vector<Se
     return j.str();
 }
 
-// The summed-PSS CSV for plot_pss.py: BASE and dedup of every setting, time from each arm's start.
+// The group-memory CSV for plot_pss.py: every arm of every setting, time from each arm's start.
 void write_pss_csv(const fs::path& path, const std::vector<Setting>& settings) {
     std::ofstream out(path, std::ios::trunc);
-    out << "setting,arm,rank,t_seconds,pss_bytes\n";
+    out << demo::kPssCsvHeader;
     for (const Setting& s : settings)
-        for (const auto& [arm, ranks] : {std::pair{"BASE", &s.base}, std::pair{"dedup", &s.dedup}}) {
+        for (const auto& [arm, ranks] : {std::pair{"BASE", &s.base}, std::pair{"dedup (network)", &s.dedup_network},
+                                         std::pair{"dedup (same host)", &s.dedup}}) {
             int64_t origin = INT64_MAX;
             for (const RankResult& r : *ranks)
                 if (!r.pss.empty()) origin = std::min(origin, r.pss.front().t_ns);
@@ -629,8 +646,6 @@ int run_demo(const DemoOptions& o) {
         "--model-iters", std::to_string(info.model_iters), "--model-ms", fixed(o.model_ms, 3),
         "--timeout", std::to_string(o.timeout_s), "--out", o.out.string()};
     if (o.persistent_workers) common.push_back("--persistent-workers");
-    common.push_back("--transport");
-    common.push_back(o.transport);
     if (o.receive_cache_mib >= 0) {
         common.push_back("--receive-cache-mib");
         common.push_back(std::to_string(o.receive_cache_mib));
@@ -653,7 +668,8 @@ int run_demo(const DemoOptions& o) {
         const int64_t k = o.steps / 2;
         const std::vector<Arm> arms = {
             {"base", name + " BASE", "base", {}, &s.base},
-            {"dedup", name + " dedup", "dedup", {}, &s.dedup},
+            {"dedup-network", name + " dedup (network)", "dedup", {"--transport", "network"}, &s.dedup_network},
+            {"dedup", name + " dedup (same host)", "dedup", {"--transport", "auto"}, &s.dedup},
             {"restart1", name + " dedup, restart 1/2", "dedup", {"--save-at", std::to_string(k), "--ckpt", ckpt.string()}, &s.part1},
             {"restart2", name + " dedup, restart 2/2 (new processes)", "dedup", {"--resume", "--ckpt", ckpt.string()}, &s.part2},
         };
@@ -700,8 +716,8 @@ int run_demo(const DemoOptions& o) {
     } else {
         const fs::path script = fs::path(SPBCAST_DEMO_SOURCE_DIR) / "plot_pss.py";
         const int rc = run_and_wait({python, script.string(), csv.string(), png.string(), "--title",
-                                     "spbcast demo: summed CPU PSS of " + std::to_string(o.world_size) +
-                                         " ranks, BASE vs dedup"},
+                                     "spbcast demo: group memory of " + std::to_string(o.world_size) +
+                                         " ranks (sum of Pss_Anon + change in Shmem)"},
                                     o.out / "logs" / "plot.log");
         plot_note = rc == 0 ? "plot: " + png.string()
                             : "plot failed (" + python + " " + script.string() + ", exit " + std::to_string(rc) +
@@ -718,10 +734,11 @@ int run_demo(const DemoOptions& o) {
       << table << "\n"
       << "Step median: the slowest rank's step (fetch + model step + step-end all-reduces), median over steps "
       << demo::window_first_step(o.steps) << "-" << o.steps
-      << ". PSS: the ranks' proportional set sizes summed on a common time grid; steady = median over the same "
-         "steps, peak = maximum over the whole run.\n\n"
+      << ". Group memory: the sum over the ranks of their anonymous PSS (Pss_Anon) plus the change in the host's "
+         "Shmem, on a common time grid, so a shared page counts once; steady = median over the same steps, peak = "
+         "maximum over the whole run.\n\n"
       << "## Checks\n\n" << checks << "\n"
-      << (python.empty() ? plot_note : "![summed PSS](pss.png)") << "\n";
+      << (python.empty() ? plot_note : "![group memory](pss.png)") << "\n";
     write_text(md, m.str());
 
     std::cout << "\nresults: " << json.string() << ", " << md.string() << ", " << csv.string() << "\n"

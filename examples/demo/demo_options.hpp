@@ -107,7 +107,8 @@ options:
   --workers W             loader worker threads per loader (default 2)
   --persistent-workers    keep a loader's workers across epochs
   --receive-cache-mib N   followers' spbcast receive cache limit (0: off; default: the library's)
-  --transport T           dedup's broadcasts: auto (the same-host path where possible, default) or network
+  --transport T           with --worker: the dedup arm's broadcasts, auto (the same-host path where
+                          possible, default) or network; the launcher runs dedup both ways
   --model-ms MS           simulated model step: MS ms of single-thread matmul (default 60)
   --out DIR               results folder (default ./demo-out)
   --cache DIR             media cache folder (default $TMPDIR/spbcast-demo-media)

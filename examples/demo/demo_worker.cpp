@@ -4,7 +4,7 @@
 //
 // Per step: fetch the batch (leader_loader: with dedup on, only the SP leader runs a
 // demo::MediaLoader and broadcasts), run the simulated model step, record the batch digest and
-// the step time. A thread samples this process's PSS all along. At the end every rank sends its
+// the step time. A thread samples this process's share of the group memory all along (pss.hpp). At the end every rank sends its
 // report through the job's store, and rank 0 writes them all to <run-dir>/arm.result and prints
 // a summary of the arm.
 #include "demo_worker.hpp"
@@ -214,11 +214,11 @@ int64_t calibrate_model_iters(double model_ms) {
 int run_worker(const DemoOptions& o) {
     int rank = -1;
     try {
-        PssSampler sampler(std::chrono::milliseconds(50), Clock::time_point{});  // steady_clock's own origin
+        const auto env = spbcast::dist::launch_env::from_environment();
+        PssSampler sampler(std::chrono::milliseconds(50), Clock::time_point{}, env.world_size);  // steady_clock's own origin
         at::set_num_threads(1);  // ranks share the machine's cores; one thread of compute each
         if (o.receive_cache_mib >= 0)
             spbcast::set_receive_cache_limit(static_cast<std::size_t>(o.receive_cache_mib) << 20);
-        const auto env = spbcast::dist::launch_env::from_environment();
         rank = env.rank;
         const int sp = o.sp_sizes.front();
         const bool dedup = o.arm == "dedup";
@@ -258,7 +258,11 @@ int run_worker(const DemoOptions& o) {
                                                               : spbcast::transport_mode::automatic};
             const int64_t build_start = now_ns();
             auto loader = spbcast::make_leader_loader(cfg, layout.sp_group, 1, [&] {
-                return std::make_unique<MediaLoader>(o.pipeline(layout.dp_rank, layout.dp_size));
+                PipelineConfig pipeline = o.pipeline(layout.dp_rank, layout.dp_size);
+                // The leader's workers collate straight into shared memory, so the same-host
+                // path hands the batch over without copying it.
+                pipeline.collate_in_shared_memory = dedup && cfg.transport != spbcast::transport_mode::network;
+                return std::make_unique<MediaLoader>(pipeline);
             });
             result.build_s = (now_ns() - build_start) * 1e-9;
             result.has_loader = loader.has_loader();
@@ -317,7 +321,7 @@ int run_worker(const DemoOptions& o) {
             result.rng = spbcast::detail::checksum64(state.data(), state.size());
         }
         for (const PssPoint& p : sampler.stop())
-            result.pss.push_back({static_cast<int64_t>(p.t_seconds * 1e9), p.pss_bytes});
+            result.pss.push_back({static_cast<int64_t>(p.t_seconds * 1e9), p.bytes});
 
         store_set(*store, "demo/result/" + std::to_string(env.rank), to_text(result));
         if (env.rank != 0) return 0;
@@ -335,7 +339,7 @@ int run_worker(const DemoOptions& o) {
                   << " ranks; loaders built " << loaders_built(ranks) << "; SP-group digests equal: "
                   << (mismatches.empty() ? "yes" : "NO (" + mismatches.front() + ")") << "; median step (steps "
                   << first << "-" << last << ") " << fixed(median_step_seconds(ranks, first, last), 3)
-                  << " s; summed PSS steady " << fixed(pss.steady_bytes / kGiB, 2) << " GiB, peak "
+                  << " s; group memory steady " << fixed(pss.steady_bytes / kGiB, 2) << " GiB, peak "
                   << fixed(pss.peak_bytes / kGiB, 2) << " GiB; results in " << (run_dir / "arm.result").string()
                   << "\n";
         return mismatches.empty() ? 0 : 1;

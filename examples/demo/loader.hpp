@@ -241,7 +241,8 @@ private:
         try {
             for (int64_t m = 0; m < config_.micro_batches; ++m) {
                 const int64_t pack = order[static_cast<size_t>(batch_index * config_.micro_batches + m)];
-                batch.push_back(pack_samples(dataset_, packs_[static_cast<size_t>(pack)], config_.pack_length));
+                batch.push_back(pack_samples(dataset_, packs_[static_cast<size_t>(pack)], config_.pack_length,
+                                             config_.collate_in_shared_memory));
             }
         } catch (const std::exception& e) {
             throw std::runtime_error("demo::MediaLoader: batch " + std::to_string(batch_index) + " of epoch " +

@@ -7,9 +7,11 @@
 #include "dataset.hpp"
 
 #include <ATen/ATen.h>
+#include <spbcast/shared_memory.hpp>
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -45,8 +47,11 @@ inline std::vector<std::vector<int64_t>> plan_packs(const Dataset& dataset, int6
 }
 
 // Loads the samples (decoding their media into one pixel_values tensor) and packs them.
-// pixel_values, image_grid_thw and num_img_tokens are absent when no sample has media.
-inline xtuner::Item pack_samples(const Dataset& dataset, std::span<const int64_t> samples, int64_t pack_length) {
+// pixel_values, image_grid_thw and num_img_tokens are absent when no sample has media. With
+// `in_shared_memory` the output tensors are allocated in spbcast's shared memory (only they:
+// the decoded media are temporaries).
+inline xtuner::Item pack_samples(const Dataset& dataset, std::span<const int64_t> samples, int64_t pack_length,
+                                 bool in_shared_memory = false) {
     const int64_t L = pack_length;
     int64_t tokens = 0, rows = 0;
     for (int64_t s : samples) {
@@ -58,10 +63,13 @@ inline xtuner::Item pack_samples(const Dataset& dataset, std::span<const int64_t
                                     " tokens, more than pack_length " + std::to_string(L));
 
     const auto i64 = at::TensorOptions().dtype(at::kLong);
+    std::optional<spbcast::shared_memory_scope> shared;
+    if (in_shared_memory) shared.emplace();
     at::Tensor input_ids = at::full({1, L}, kPadTokenId, i64);
     at::Tensor labels = at::full({1, L}, kIgnoreLabel, i64);
     at::Tensor positions = at::empty({3, 1, L}, i64);
     at::Tensor pixels = at::empty({rows, kPatchRowSize}, at::TensorOptions().dtype(at::kFloat));
+    shared.reset();
     int64_t* ids = input_ids.data_ptr<int64_t>();
     int64_t* label = labels.data_ptr<int64_t>();
     int64_t* pos = positions.data_ptr<int64_t>();

@@ -600,13 +600,13 @@ int check(const Options& options, const std::string& self) {
     std::vector<demo::PssPoint> points;
     double sampled_seconds = 0;
     {
-        demo::PssSampler sampler(std::chrono::milliseconds(20));
+        demo::PssSampler sampler(std::chrono::milliseconds(20), Clock::now(), 1);
         demo::MediaLoader loader(config_for(options, 2, false));
         sampled_seconds = take(loader, 2).seconds;
         points = sampler.stop();
     }
     int64_t low = INT64_MAX, high = 0;
-    for (const demo::PssPoint& p : points) low = std::min(low, p.pss_bytes), high = std::max(high, p.pss_bytes);
+    for (const demo::PssPoint& p : points) low = std::min(low, p.bytes), high = std::max(high, p.bytes);
     checks.expect(points.size() >= 2 && low > 0,
                   std::to_string(points.size()) + " samples over a 2-worker run, PSS " + std::to_string(low >> 20) +
                       " to " + std::to_string(high >> 20) + " MiB");

@@ -2,7 +2,7 @@
 
 Reads the CSV that demo::write_pss_csv writes (pss.hpp):
 
-    setting,arm,rank,t_seconds,pss_bytes
+    setting,arm,rank,t_seconds,memory_bytes
 
 and writes a PNG. Each rank samples on its own clock ticks, so every rank's series is
 held constant from one sample to the next and the ranks are summed on a common time grid;
@@ -23,8 +23,8 @@ matplotlib.use("Agg")  # no display on a training node
 import matplotlib.pyplot as plt
 import numpy as np
 
-ARM_ORDER = ("BASE", "dedup")
-ARM_COLOURS = {"BASE": "tab:red", "dedup": "tab:blue"}
+ARM_ORDER = ("BASE", "dedup (network)", "dedup (same host)")
+ARM_COLOURS = {"BASE": "tab:red", "dedup (network)": "tab:orange", "dedup (same host)": "tab:blue"}
 GIB = float(1 << 30)
 
 
@@ -33,13 +33,13 @@ def read_series(path):
     raw = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        missing = {"setting", "arm", "rank", "t_seconds", "pss_bytes"} - set(reader.fieldnames or ())
+        missing = {"setting", "arm", "rank", "t_seconds", "memory_bytes"} - set(reader.fieldnames or ())
         if missing:
             sys.exit(f"{path}: missing column(s) {', '.join(sorted(missing))}; "
-                     "expected setting,arm,rank,t_seconds,pss_bytes")
+                     "expected setting,arm,rank,t_seconds,memory_bytes")
         for row in reader:
             raw[row["setting"]][row["arm"]][int(row["rank"])].append(
-                (float(row["t_seconds"]), float(row["pss_bytes"])))
+                (float(row["t_seconds"]), float(row["memory_bytes"])))
     series = {}
     for setting, arms in raw.items():
         series[setting] = {}
@@ -70,7 +70,7 @@ def summed(ranks):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("csv", help="input CSV (setting,arm,rank,t_seconds,pss_bytes)")
+    parser.add_argument("csv", help="input CSV (setting,arm,rank,t_seconds,memory_bytes)")
     parser.add_argument("png", help="output PNG")
     parser.add_argument("--title", default="CPU memory of all ranks (summed PSS)")
     args = parser.parse_args()

@@ -21,6 +21,7 @@
 #include "detail/keep_alive.hpp"
 #include "error.hpp"
 #include "rng_mirror.hpp"
+#include "shared_memory.hpp"
 
 #include <chrono>
 #include <cstdint>
@@ -45,6 +46,11 @@ struct loader_config {
     std::chrono::milliseconds timeout = std::chrono::minutes(5);
     // How batches travel: the same-host path where the SP group shares a host (README).
     transport_mode transport = transport_mode::automatic;
+    // On the same-host path the leader fetches each batch inside a spbcast::shared_memory_scope,
+    // so the batch's large tensors are born in shared memory and the broadcast copies nothing
+    // (the whole SP group holds one copy). Loaders that collate in worker threads open the
+    // scope in those threads themselves.
+    bool leader_allocates_in_shared_memory = true;
 };
 
 template <class L>
@@ -222,6 +228,8 @@ public:
         if (is_leader()) {
             try {
                 detail::keep_alive<Group> still_working(group_, broadcast_options());
+                std::optional<shared_memory_scope> in_shared_memory;
+                if (batches_in_shared_memory()) in_shared_memory.emplace();
                 envelope.batch = fetch(envelope.rng_events);
                 envelope.status = envelope.batch ? leader_status::batch : leader_status::end;
             } catch (...) {
@@ -305,6 +313,13 @@ private:
     using pass_type = decltype(std::declval<Loader&>().begin());
 
     options broadcast_options() const { return {.root = 0, .timeout = cfg_.timeout, .transport = cfg_.transport}; }
+
+    // Whether the leader's broadcasts take the same-host path (decided by the first one).
+    bool batches_in_shared_memory() {
+        if (!cfg_.leader_allocates_in_shared_memory || cfg_.transport == transport_mode::network) return false;
+        const auto state = detail::same_host_registry::instance().find(&detail::group_of(group_), 0);
+        return state && state->shared;
+    }
 
     std::string where() const {
         return "spbcast: SP rank " + std::to_string(sp_rank_) + " (leader_loader)";

@@ -6,8 +6,8 @@
 #include "detail/shm_allocator.hpp"
 #include "detail/shm_channel.hpp"
 #include "detail/shm_pool.hpp"
-#include "error.hpp"
 
+#include <algorithm>
 #include <cstddef>
 
 namespace spbcast {
@@ -29,18 +29,14 @@ struct shared_memory_stats {
 // same-host path hands its segment to the followers instead of copying it: the group then
 // holds one copy of the batch. Open it around the code that builds the batch on the root (the
 // collate function, or each loader worker thread); anywhere else the tensors are ordinary
-// memory. Throws errc::invalid_argument if another CPU allocator that LibTorch prefers is
-// installed. Scopes nest; each restores the previous one's setting.
+// memory. The first scope puts spbcast's allocator in front of the CPU allocator in use then
+// (c10::SetCPUAllocator), which keeps serving every allocation outside a scope: install a CPU
+// allocator of your own before it. Scopes nest; each restores the previous one's setting.
 class shared_memory_scope {
 public:
     explicit shared_memory_scope(std::size_t min_bytes = std::size_t{1} << 20)
         : previous_(detail::shared_scope_min_bytes) {
-        if (!detail::installed_shared_memory_allocator())
-            throw error(errc::invalid_argument,
-                        "spbcast: shared_memory_scope: another CPU allocator with a higher priority "
-                        "is installed (c10::SetCPUAllocator), so tensors cannot be allocated in shared "
-                        "memory; broadcast without the scope (the same-host path then copies the batch "
-                        "once)");
+        detail::install_shared_memory_allocator();
         detail::shared_scope_min_bytes = std::max(min_bytes, detail::shm_pool::rounding);
     }
     ~shared_memory_scope() { detail::shared_scope_min_bytes = previous_; }

@@ -16,6 +16,7 @@
 
 #include "shm_pool.hpp"
 #include "shm_segment.hpp"
+#include "version.hpp"
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -24,6 +25,7 @@
 
 #include <cstddef>
 #include <cstring>
+#include <limits>
 
 namespace spbcast::detail {
 
@@ -69,12 +71,12 @@ class shared_memory_allocator final : public c10::Allocator {
 public:
     explicit shared_memory_allocator(c10::Allocator* fallback) : fallback_(fallback) {}
 
-    // LibTorch 1.x declares allocate const and 2.x does not: whichever matches the base
-    // overrides it, the other is a plain overload.
-    c10::DataPtr allocate(std::size_t n) const { return allocate_here(n); }
-    c10::DataPtr allocate(std::size_t n) { return allocate_here(n); }
-    // Pure virtual in LibTorch 2.x, absent from 1.x (then an unused member).
-    void copy_data(void* dest, const void* src, std::size_t count) const { std::memcpy(dest, src, count); }
+#if SPBCAST_TORCH_AT_LEAST(2, 0)  // allocate is not const, copy_data is pure virtual
+    c10::DataPtr allocate(std::size_t n) override { return allocate_here(n); }
+    void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
+#else
+    c10::DataPtr allocate(std::size_t n) const override { return allocate_here(n); }
+#endif
 
     c10::Allocator* fallback() const { return fallback_; }
 
@@ -99,14 +101,16 @@ private:
     c10::Allocator* fallback_;
 };
 
-// Installed once, on the first scope, in front of the allocator in use then.
-inline shared_memory_allocator* installed_shared_memory_allocator() {
-    static shared_memory_allocator* const allocator = [] {
+// Installed once, on the first scope, in front of the allocator in use then, which it calls
+// for everything outside a scope. At the highest priority: an allocator installed earlier with
+// a priority of its own (a counting or pinned one) keeps serving those allocations.
+inline void install_shared_memory_allocator() {
+    static const bool installed = [] {
         auto* mine = new shared_memory_allocator(c10::GetCPUAllocator());  // never destroyed: storages outlive main
-        c10::SetCPUAllocator(mine);
-        return mine;
+        c10::SetCPUAllocator(mine, std::numeric_limits<std::uint8_t>::max());
+        return true;
     }();
-    return c10::GetCPUAllocator() == allocator ? allocator : nullptr;
+    (void)installed;
 }
 
 }  // namespace spbcast::detail
