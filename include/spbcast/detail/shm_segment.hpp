@@ -13,7 +13,10 @@
 //   never a SIGBUS on its first write.
 // - Followers map MAP_PRIVATE: reads share the root's pages, a write copies only the page
 //   written and stays private to that rank. Never MAP_POPULATE (on a private writable mapping
-//   it would copy every page); MADV_POPULATE_READ maps the shared pages without copying.
+//   it would copy every page). Nor MADV_POPULATE_READ: a read fault on a file page maps the
+//   resident pages around it as well (fault-around), so the first touch of a batch costs no
+//   more than populating it up front would, and it is paid by each follower as it reads,
+//   instead of by the broadcast on every follower at once.
 #pragma once
 
 #include "../error.hpp"
@@ -36,9 +39,6 @@
 #endif
 #ifndef MFD_ALLOW_SEALING
 #define MFD_ALLOW_SEALING 0x0002U
-#endif
-#ifndef MADV_POPULATE_READ
-#define MADV_POPULATE_READ 22
 #endif
 
 namespace spbcast::detail {
@@ -181,11 +181,7 @@ inline std::string check_received_segment(int fd, std::uint64_t capacity) {
 inline void* map_private(int fd, std::size_t bytes) {
     if (bytes == 0) return nullptr;
     void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
-    if (data == MAP_FAILED) return nullptr;
-    // Maps the shared pages now, in one call, instead of one fault per page later; a hint
-    // only (older kernels refuse it).
-    ::madvise(data, bytes, MADV_POPULATE_READ);
-    return data;
+    return data == MAP_FAILED ? nullptr : data;
 }
 
 }  // namespace spbcast::detail
