@@ -11,9 +11,14 @@
 //       test); a survivor must raise spbcast::error, then holds no descriptor of ours: exit 3.
 //   spbcast_shm_worker fallback <profile>
 //       the root cannot create a segment for one batch: it goes over the network, intact.
+//   spbcast_shm_worker cgroup_fallback <profile>
+//       the root moves into a memory cgroup too small for the batch's segment: the batch goes
+//       over the network, intact, and the root lives (exit 77 on every rank where it may not).
 //   spbcast_shm_worker leader_allocates <profile> <micro_batches> <steps>
 //       the root builds its batches in a shared_memory_scope: they travel without a copy, stay
-//       bit-exact, and neither the root's later writes nor a follower's reach another rank.
+//       bit-exact, and neither the root's later writes nor a follower's reach another rank; a
+//       child a follower forks (a loader worker) neither releases its segments nor allocates
+//       from the pool.
 //   spbcast_shm_worker group_memory <profile> <micro_batches> <auto|network|shm> [leader_allocates]
 //       prints the group's memory while a batch is alive (sum of Pss_Anon + change in Shmem).
 //   spbcast_shm_worker soak <rounds>
@@ -25,9 +30,12 @@
 #include <dirent.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <random>
@@ -183,6 +191,7 @@ int leader_allocates(char** argv) {
         std::cerr << "rank " << env.rank << ": " << what << "\n";
         return 1;
     };
+    xtuner::Batch kept;  // follower 2: the first batch, kept while its forked child drops its copy
     for (int step = 0; step < steps; ++step) {
         const auto before = spbcast::shared_memory_statistics();
         xtuner::Batch batch;
@@ -222,11 +231,101 @@ int leader_allocates(char** argv) {
         spbcast::broadcast(expected, group, {.timeout = std::chrono::seconds(30), .transport = spbcast::transport_mode::network});
         spbcast::broadcast(again, group, opts);
         if (spbcast::digest(again) != expected) return fail("a second broadcast of the root's changed batch arrived stale");
+        if (env.rank == 2) {
+            kept = batch;
+            const pid_t child = ::fork();
+            if (child == 0) {
+                batch.clear();
+                kept.clear();
+                again.clear();
+                spbcast::shared_memory_scope in_shared_memory;
+                const at::Tensor t = at::empty({1 << 20}, at::kFloat);
+                ::_exit(spbcast::detail::shared_allocation_of(t.storage()) == nullptr ? 0 : 1);
+            }
+            int status = 0;
+            ::waitpid(child, &status, 0);
+            if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return fail("a forked child allocated from the pool");
+        }
     }
+    // The root reused no segment this follower's kept batch lies in: its child let go of its
+    // copy without telling the root.
+    if (env.rank == 2 && spbcast::digest(kept) != spbcast::digest(xtuner::make_batch(profile, micro_batches, 0)))
+        return fail("the kept first batch changed after a forked child dropped its copy");
     barrier(group);
     const auto fds = count_fds();
     std::cout << "rank " << env.rank << " ok, fds " << fds.total << " memfds " << fds.memfds << "\n";
     if (env.rank != 0 && fds.memfds != 0) return fail(std::to_string(fds.memfds) + " memfd descriptors left open");
+    return 0;
+}
+
+// Moves this process into a new memory cgroup of `limit` bytes under its own (cgroup v1 or
+// v2). Returns the cgroup's directory, or "" and the reason where it may not (not root, no
+// memory controller). Memory charged before the move stays with the old cgroup.
+std::string enter_memory_cgroup(std::uint64_t limit, std::string& why) {
+    std::ifstream cgroups("/proc/self/cgroup");
+    std::string v1, v2;
+    for (std::string line; std::getline(cgroups, line);) {
+        const auto first = line.find(':'), second = line.find(':', first + 1);
+        const std::string controllers = line.substr(first + 1, second - first - 1), path = line.substr(second + 1);
+        if (controllers == "memory") v1 = "/sys/fs/cgroup/memory" + path;
+        if (line.rfind("0::", 0) == 0) v2 = "/sys/fs/cgroup" + path;
+    }
+    const bool is_v1 = !v1.empty();
+    const std::string dir = (is_v1 ? v1 : v2) + "/spbcast-test-" + std::to_string(::getpid());
+    auto write = [](const std::string& path, const std::string& text) {
+        std::ofstream out(path);
+        out << text;
+        out.flush();
+        return static_cast<bool>(out);
+    };
+    if (::mkdir(dir.c_str(), 0755) != 0) {
+        why = "cannot create " + dir + ": " + std::strerror(errno);
+        return {};
+    }
+    if (!write(dir + (is_v1 ? "/memory.limit_in_bytes" : "/memory.max"), std::to_string(limit)) ||
+        !write(dir + "/cgroup.procs", std::to_string(::getpid()))) {
+        why = "cannot limit or enter " + dir + " (no memory controller there)";
+        ::rmdir(dir.c_str());
+        return {};
+    }
+    return dir;
+}
+
+int cgroup_fallback(char** argv) {
+    const auto profile = xtuner::profile_from_name(argv[2]);
+    const auto env = spbcast::dist::launch_env::from_environment();
+    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
+    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    const spbcast::options opts{.timeout = std::chrono::seconds(30)};
+    std::vector<at::Tensor> nothing;
+    spbcast::broadcast(nothing, group, opts);  // the handshake, outside the cgroup
+    xtuner::Batch batch;
+    std::string cgroup, why;
+    if (env.rank == 0) {
+        batch = xtuner::make_batch(profile, 1, 3);  // charged to the cgroup the root came from
+        cgroup = enter_memory_cgroup(std::uint64_t{40} << 20, why);
+    }
+    std::int64_t entered = cgroup.empty() ? 0 : 1;
+    spbcast::broadcast(entered, group, {.timeout = std::chrono::seconds(30), .transport = spbcast::transport_mode::network});
+    if (!entered) {
+        if (env.rank == 0) std::cout << "skipped: " << why << "\n";
+        return 77;
+    }
+    const auto before = spbcast::shared_memory_statistics();
+    spbcast::broadcast(batch, group, opts);
+    if (env.rank == 0) {
+        const auto fallbacks = spbcast::shared_memory_statistics().network_fallbacks - before.network_fallbacks;
+        std::cout << "rank 0: " << fallbacks << " network fallback, in " << cgroup << "\n";
+        // Back to the cgroup it came from, so the test's cgroup can go.
+        std::ofstream(cgroup.substr(0, cgroup.find_last_of('/')) + "/cgroup.procs") << ::getpid() << std::flush;
+        ::rmdir(cgroup.c_str());
+        if (fallbacks != 1) return 1;
+    }
+    if (!chose_shared(group, 0)) return 1;
+    if (spbcast::digest(batch) != spbcast::digest(xtuner::make_batch(profile, 1, 3))) {
+        std::cerr << "rank " << env.rank << ": the batch differs from the root's\n";
+        return 1;
+    }
     return 0;
 }
 
@@ -478,6 +577,7 @@ int main(int argc, char** argv) {
         if (mode == "kill_loop") return kill_loop(argv);
         if (mode == "soak") return soak(argv);
         if (mode == "fallback") return fallback(argv);
+        if (mode == "cgroup_fallback") return cgroup_fallback(argv);
         if (mode == "group_memory") return group_memory(argv);
         if (mode == "leader_allocates" && argc == 5) return leader_allocates(argv);
         std::cerr << "unknown mode or arguments\n";

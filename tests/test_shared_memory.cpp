@@ -134,6 +134,17 @@ TEST_CASE("shared memory: a batch whose segment cannot be created goes over the 
     CHECK_MESSAGE(results[0].output.find("step 1 network fallback") != std::string::npos, spbcast_test::describe(results));
 }
 
+TEST_CASE("shared memory: a root whose memory cgroup cannot hold the segment sends over the network, intact, and lives") {
+    const auto results = spbcast_test::run_processes(
+        worker(), 3, [](int) { return std::vector<std::string>{"cgroup_fallback", "qwen3-vl-image"}; }, 120s);
+    if (results[0].exit_code == 77) {
+        MESSAGE("skipped: this process may not create a memory cgroup - " << results[0].output);
+        return;
+    }
+    require_all_ok(results);
+    CHECK_MESSAGE(results[0].output.find("1 network fallback") != std::string::npos, spbcast_test::describe(results));
+}
+
 TEST_CASE("shared memory: ranks as threads - checksums, a root error after the segment was handed over, then the next batch") {
     spbcast_test::run_ranks(3, [&](int rank, auto& group) {
         auto batch = [](int seed) {

@@ -221,6 +221,11 @@ py::object broadcast(py::handle group, const std::string& group_name, const wire
     }
 }
 
+// A spbcast::shared_memory_scope that Python opens and closes on one thread (spbcast.shared_memory).
+struct python_shared_memory_scope {
+    std::optional<spbcast::shared_memory_scope> scope;
+};
+
 bool dtype_supported(const at::Tensor& t) {
     return spbcast::detail::dtype_code(t.scalar_type()).has_value();
 }
@@ -251,6 +256,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("dtype_supported", &dtype_supported, py::arg("tensor"));
     m.def("set_receive_cache_limit", [](std::size_t bytes) { spbcast::set_receive_cache_limit(bytes); },
           py::arg("bytes"));
+    py::class_<python_shared_memory_scope>(m, "SharedMemoryScope")
+        .def(py::init([](std::size_t min_bytes) {
+                 auto s = std::make_unique<python_shared_memory_scope>();
+                 s->scope.emplace(min_bytes);
+                 return s;
+             }),
+             py::arg("min_bytes"))
+        .def("close", [](python_shared_memory_scope& s) { s.scope.reset(); });
+    m.def("shared_memory_statistics", [] {
+        const auto s = spbcast::shared_memory_statistics();
+        py::dict out;
+        out["limit_bytes"] = s.limit_bytes;
+        out["cached_bytes"] = s.cached_bytes;
+        out["held_bytes"] = s.held_bytes;
+        out["segments_reused"] = s.segments_reused;
+        out["segments_created"] = s.segments_created;
+        out["network_fallbacks"] = s.network_fallbacks;
+        out["tensors_allocated"] = s.tensors_allocated;
+        out["tensors_shared"] = s.tensors_shared;
+        return out;
+    });
     m.def("receive_cache_statistics", [] {
         const auto s = spbcast::receive_cache_statistics();
         py::dict out;

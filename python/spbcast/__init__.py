@@ -6,8 +6,9 @@ group, bit-exactly, with tensor identity and views preserved.
 
 from ._broadcast import broadcast
 from ._C import receive_cache_statistics, set_receive_cache_limit
+from ._shared_memory import shared_memory, shared_memory_statistics
 from .errors import Error, RemoteError, SchemaError, TransportError
 from .loader import LeaderLoader
 
 __all__ = ["broadcast", "LeaderLoader", "Error", "RemoteError", "SchemaError", "TransportError",
-           "set_receive_cache_limit", "receive_cache_statistics"]
+           "set_receive_cache_limit", "receive_cache_statistics", "shared_memory", "shared_memory_statistics"]

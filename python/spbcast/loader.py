@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ._broadcast import broadcast
+from ._shared_memory import shared_memory
 from .errors import Error
 
 _MT_N = 624  # words per Mersenne Twister block
@@ -228,7 +229,10 @@ class LeaderLoader:
         if self.is_leader:
             words = [0]
             try:
-                batch = self._fetch(words)
+                # A batch collated on this thread is born in shared memory, so the same-host
+                # path hands it over without a copy.
+                with shared_memory():
+                    batch = self._fetch(words)
                 envelope["done"] = batch is _END
                 envelope["batch"] = None if batch is _END else batch
             except Exception as e:  # noqa: BLE001 - sent to the followers, re-raised below

@@ -77,6 +77,31 @@ def test_large_xtuner_batch():
     run(2, _large)
 
 
+def _leader_allocates(rank, world):
+    # The leader collates inside spbcast.shared_memory(): its large tensors are handed over
+    # without a copy, and a later write by the leader stays its own.
+    expected = xtuner_batch(3, length=32768, micro=2, media=8192)
+    batch = None
+    if rank == 0:
+        with spbcast.shared_memory():
+            batch = xtuner_batch(3, length=32768, micro=2, media=8192)
+        before = spbcast.shared_memory_statistics()
+    got = spbcast.broadcast(batch, src=0, timeout=60)
+    assert_same(expected, got)
+    if rank == 0:
+        after = spbcast.shared_memory_statistics()
+        assert after["tensors_shared"] > before["tensors_shared"], after
+        for item in got:
+            item["seq_ctx"].pixel_values.fill_(7.0)
+    dist.barrier()
+    if rank != 0:
+        assert_same(expected, got)
+
+
+def test_leader_allocates_in_shared_memory():
+    run(3, _leader_allocates)
+
+
 def _set(): return [{"seq_ctx": {"ids": torch.ones(2)}}, {"seq_ctx": {"a": {1, 2}}}]
 
 

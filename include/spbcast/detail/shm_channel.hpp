@@ -189,10 +189,11 @@ public:
 
     int socket() const { return sock_.get(); }
 
-    // Called from a storage deleter, on any thread. A root that is gone needs no answer.
+    // Called from a storage deleter, on any thread. A root that is gone needs no answer, and
+    // neither does a forked child's copy of a batch: the parent still maps the segment.
     void report_released(std::uint64_t segment) {
         std::lock_guard<std::mutex> lock(mutex_);
-        if (!sock_) return;
+        if (!sock_ || ::getpid() != owner_) return;
         shm_message m;
         m.kind = shm_message_kind::released;
         m.segment = segment;
@@ -209,6 +210,7 @@ public:
 private:
     std::mutex mutex_;
     unique_fd sock_;
+    const pid_t owner_ = ::getpid();
 };
 
 // A follower's private mapping of one segment; unmapped, and reported to the root, when the

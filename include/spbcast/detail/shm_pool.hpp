@@ -20,6 +20,8 @@
 #include <mutex>
 #include <string>
 
+#include <unistd.h>
+
 namespace spbcast::detail {
 
 struct shm_pool_stats {
@@ -75,6 +77,12 @@ public:
     lease acquire(std::size_t bytes, int holders, std::string& why_not) {
         const std::size_t need = std::max<std::size_t>((bytes + rounding - 1) / rounding * rounding, rounding);
         std::lock_guard<std::mutex> lock(mutex_);
+        // A forked child (a loader worker) holds a copy of this pool: a segment free here may be
+        // filled by the parent at any time, so the child never uses one.
+        if (::getpid() != owner_) {
+            why_not = "this process was forked from the one that owns the segment pool";
+            return {};
+        }
         entry* best = nullptr;
         for (auto& [id, e] : segments_)
             if (e.holders == 0 && e.segment.capacity() >= need &&
@@ -184,6 +192,7 @@ private:
     }
 
     std::mutex mutex_;
+    const pid_t owner_ = ::getpid();
     std::map<std::uint64_t, entry> segments_;
     std::uint64_t next_id_ = 0;
     std::uint64_t clock_ = 0;

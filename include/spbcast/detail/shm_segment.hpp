@@ -8,9 +8,11 @@
 // - F_SEAL_SHRINK|F_SEAL_GROW fix the size for every holder, so a mapping that was checked
 //   against fstat can never reach past the end of the file and SIGBUS. F_SEAL_SEAL stops
 //   anyone from changing the seals afterwards. Followers check both before mapping.
-// - The root reserves the pages with fallocate when it creates a segment: out of memory (a
-//   memory cgroup too small) is then an error the root can answer by using the network path,
-//   never a SIGBUS on its first write.
+// - The root reserves the pages with fallocate when it creates a segment: out of memory is
+//   then an error the root can answer by using the network path, never a SIGBUS on its first
+//   write. A memory cgroup does not fail that fallocate but kills the process at its limit, so
+//   the root first checks the headroom of its memory cgroups and takes the network path for a
+//   segment that would not fit.
 // - Followers map MAP_PRIVATE: reads share the root's pages, a write copies only the page
 //   written and stays private to that rank. Never MAP_POPULATE (on a private writable mapping
 //   it would copy every page). Nor MADV_POPULATE_READ: a read fault on a file page maps the
@@ -28,9 +30,12 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -85,6 +90,48 @@ inline int memfd_create_compat(const char* name, unsigned flags) {
 #endif
 }
 
+// Bytes this process may still charge to its memory cgroups before the tightest limit among
+// them and their ancestors (cgroup v1 or v2); nullopt when no limit applies or none is readable.
+inline std::optional<std::uint64_t> memory_cgroup_headroom() {
+    auto read_number = [](const std::string& path) -> std::optional<std::uint64_t> {
+        std::ifstream in(path);
+        std::string text;
+        if (!(in >> text) || text == "max") return std::nullopt;
+        try {
+            return std::stoull(text);
+        } catch (...) {
+            return std::nullopt;
+        }
+    };
+    std::optional<std::uint64_t> headroom;
+    // From the process's own cgroup up to the hierarchy's root: a parent's limit binds too.
+    auto walk = [&](const std::string& root, std::string path, const char* limit_file, const char* usage_file) {
+        for (;;) {
+            const std::string dir = root + path;
+            const auto limit = read_number(dir + "/" + limit_file), usage = read_number(dir + "/" + usage_file);
+            if (limit && usage) headroom = std::min(headroom.value_or(UINT64_MAX), *limit > *usage ? *limit - *usage : 0);
+            if (path.empty() || path == "/") return;
+            path.resize(path.find_last_of('/'));
+        }
+    };
+    std::ifstream cgroups("/proc/self/cgroup");
+    for (std::string line; std::getline(cgroups, line);) {
+        const auto first = line.find(':'), second = line.find(':', first + 1);
+        if (first == std::string::npos || second == std::string::npos) continue;
+        const std::string controllers = line.substr(first + 1, second - first - 1), path = line.substr(second + 1);
+        if (controllers == "memory" || controllers.find("memory,") != std::string::npos ||
+            controllers.find(",memory") != std::string::npos)
+            walk("/sys/fs/cgroup/memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes");
+        else if (controllers.empty() && line.rfind("0:", 0) == 0)
+            walk("/sys/fs/cgroup", path, "memory.max", "memory.current");
+    }
+    return headroom;
+}
+
+// What a new segment must leave free in the memory cgroup: the rest of the process (its
+// allocator, Gloo's buffers) keeps allocating while the segment lives.
+inline constexpr std::uint64_t cgroup_reserve = std::uint64_t{32} << 20;
+
 // A root-side segment: a sealed memfd of `capacity` bytes, mapped shared for filling.
 class shm_segment {
 public:
@@ -110,6 +157,11 @@ public:
     static shm_segment create(std::size_t capacity, std::string& why_not) {
         shm_segment s;
         capacity = (capacity + segment_page - 1) / segment_page * segment_page;
+        if (const auto headroom = memory_cgroup_headroom(); headroom && capacity + cgroup_reserve > *headroom) {
+            why_not = "the memory cgroup has " + std::to_string(*headroom) + " bytes left, a segment of " +
+                      std::to_string(capacity) + " would not fit";
+            return s;
+        }
         unique_fd fd(memfd_create_compat("spbcast", MFD_CLOEXEC | MFD_ALLOW_SEALING));
         if (!fd) {
             why_not = "memfd_create failed: " + errno_text(errno);
