@@ -16,6 +16,7 @@
 //   spbcast_shm_worker soak <rounds>
 //       many small and mid-sized batches; descriptor count and memory must stay flat.
 #include "profiles.hpp"
+#include "support/processes.hpp"
 
 #include <spbcast/spbcast.hpp>
 
@@ -98,9 +99,7 @@ int check(int argc, char** argv) {
     const auto transport = mode_of(argv[6]);
     const std::string expect = argv[7];
     (void)argc;
-    const auto env = spbcast::dist::launch_env::from_environment();
-    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
-    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
     const spbcast::options opts{.root = root, .timeout = std::chrono::seconds(30), .transport = transport};
     const int writer = root == 0 ? 1 : 0;  // the follower whose writes must stay private
     for (int step = 0; step < steps; ++step) {
@@ -171,9 +170,7 @@ int check(int argc, char** argv) {
 
 int root_dies(char** argv) {
     const auto profile = xtuner::profile_from_name(argv[2]);
-    const auto env = spbcast::dist::launch_env::from_environment();
-    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
-    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
     const spbcast::options opts{.timeout = std::chrono::seconds(10), .transport = spbcast::transport_mode::shared_memory};
     xtuner::Batch batch;
     if (env.rank == 0) batch = xtuner::make_batch(profile, 1, 5);
@@ -201,9 +198,7 @@ int root_dies(char** argv) {
 }
 
 int kill_loop(char** argv) {
-    const auto env = spbcast::dist::launch_env::from_environment();
-    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
-    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
     const auto baseline = count_fds();
     std::mt19937_64 rng(std::stoull(argv[2]));
     // The test picks a victim and a moment; the victim SIGKILLs itself from a thread then,
@@ -251,9 +246,7 @@ int kill_loop(char** argv) {
 // batch goes over the network, intact; the next one takes the same-host path again.
 int fallback(char** argv) {
     const auto profile = xtuner::profile_from_name(argv[2]);
-    const auto env = spbcast::dist::launch_env::from_environment();
-    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
-    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
     const spbcast::options opts{.timeout = std::chrono::seconds(30)};
     for (int step = 0; step < 3; ++step) {
         rlimit saved{};
@@ -305,9 +298,7 @@ int group_memory(char** argv) {
     const auto profile = xtuner::profile_from_name(argv[2]);
     const int micro_batches = std::stoi(argv[3]);
     const auto transport = mode_of(argv[4]);
-    const auto env = spbcast::dist::launch_env::from_environment();
-    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
-    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
     const spbcast::options opts{.timeout = std::chrono::seconds(60), .transport = transport};
     {   // the handshake, and the loader-side warm-up, outside the measurement
         std::vector<at::Tensor> nothing;
@@ -344,9 +335,7 @@ int group_memory(char** argv) {
 
 int soak(char** argv) {
     const int rounds = std::stoi(argv[2]);
-    const auto env = spbcast::dist::launch_env::from_environment();
-    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
-    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
     std::mt19937_64 rng(42);
     fd_census fds_at_warm{};
     long rss_at_warm = 0;
