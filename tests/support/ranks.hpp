@@ -18,18 +18,15 @@ namespace spbcast_test {
 
 using namespace std::chrono_literals;
 
-// Runs body(rank, group) on `world` threads; returns each rank's exception (null if none).
+// Runs body(rank) on `world` threads; returns each one's exception (null if none).
 template <class Body>
-std::vector<std::exception_ptr> run_ranks_collect(int world, Body body,
-                                                  std::chrono::milliseconds timeout = 20s) {
-    auto store = c10::make_intrusive<c10d::HashStore>();
+std::vector<std::exception_ptr> run_threads(int world, Body body) {
     std::vector<std::exception_ptr> errors(world);
     std::vector<std::thread> threads;
     for (int rank = 0; rank < world; ++rank) {
         threads.emplace_back([&, rank] {
             try {
-                auto group = spbcast::dist::make_gloo_group(store, rank, world, timeout, "127.0.0.1");
-                body(rank, *group);
+                body(rank);
             } catch (...) {
                 errors[rank] = std::current_exception();
             }
@@ -37,6 +34,17 @@ std::vector<std::exception_ptr> run_ranks_collect(int world, Body body,
     }
     for (auto& t : threads) t.join();
     return errors;
+}
+
+// Runs body(rank, group) on `world` threads; returns each rank's exception (null if none).
+template <class Body>
+std::vector<std::exception_ptr> run_ranks_collect(int world, Body body,
+                                                  std::chrono::milliseconds timeout = 20s) {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    return run_threads(world, [&](int rank) {
+        auto group = spbcast::dist::make_gloo_group(store, rank, world, timeout, "127.0.0.1");
+        body(rank, *group);
+    });
 }
 
 inline std::string message_of(const std::exception_ptr& e) {
