@@ -6,8 +6,9 @@
 //   launcher  spbcast_bench --world-sizes 2,4,8 [--profiles ...] [--micro-batches 1,4] ...
 //             For every cell (profile x micro-batches x world size) starts world-size copies of
 //             itself with the launcher environment (MASTER_ADDR, MASTER_PORT, RANK,
-//             WORLD_SIZE) on a free port, bounded by --cell-timeout and --deadline, collects
-//             the root's rows and writes one JSON document (--json).
+//             WORLD_SIZE) and a store it serves on a port the kernel picked, bounded by
+//             --cell-timeout and --deadline, collects the root's rows and writes one JSON
+//             document (--json).
 //   rank      spbcast_bench [--profiles ...] [--micro-batches ...] --rows FILE
 //             One rank, under the launcher above or torchrun --no-python: builds the Gloo
 //             group from the environment (spbcast::dist) and measures every cell it is given
@@ -41,21 +42,19 @@
 // RSS before them, and the peak of live tensor bytes (a counting CPU allocator) minus the live
 // bytes before them.
 #include "profiles.hpp"
+#include "support/processes.hpp"
 
 #include <spbcast/spbcast.hpp>
 
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
-#include <arpa/inet.h>
 #include <ATen/Parallel.h>
 #include <c10/core/CPUAllocator.h>
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <malloc.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -995,11 +994,12 @@ void run_cell(rank_context& ctx, const cell& c, std::ofstream* rows) {
 int rank_main(const config& cfg) {
     c10::SetCPUAllocator(&tensor_memory(), /*priority=*/100);
     at::set_num_threads(cfg.threads);
-    const auto env = spbcast::dist::launch_env::from_environment();
     const auto timeout = std::chrono::milliseconds(static_cast<std::int64_t>(cfg.pg_timeout * 1000));
+    const auto job = spbcast_test::join_job(timeout);
+    const auto& env = job.env;
     rank_context ctx{cfg};
-    ctx.store = spbcast::dist::make_store(env, timeout);
-    ctx.gloo = spbcast::dist::make_gloo_group(ctx.store, env.rank, env.world_size, timeout);
+    ctx.store = job.store;
+    ctx.gloo = job.group;
     ctx.rank = env.rank;
     ctx.world = env.world_size;
     ctx.timeout = timeout;
@@ -1013,21 +1013,6 @@ int rank_main(const config& cfg) {
 
 // ---------------------------------------------------------------------------------------------
 // Launcher
-
-int free_port() {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof addr;
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-        ::close(fd);
-        throw std::runtime_error("cannot find a free port");
-    }
-    ::close(fd);
-    return ntohs(addr.sin_port);
-}
 
 std::string last_line(const std::filesystem::path& log) {
     std::ifstream in(log);
@@ -1159,7 +1144,6 @@ int launcher_main(const config& cfg, int argc, char** argv) {
                 }
                 const double cell_limit = std::min(cfg.cell_timeout, left);
                 const auto rows_path = tmp / ("rows-" + std::to_string(n) + ".jsonl");
-                const int port = free_port();
                 std::vector<std::string> args = {
                     self.string(), "--profiles", profile, "--micro-batches", std::to_string(mb),
                     "--methods", join(cfg.methods), "--repeats", std::to_string(cfg.repeats),
@@ -1168,71 +1152,34 @@ int launcher_main(const config& cfg, int argc, char** argv) {
                     "--bucket-mib", std::to_string(cfg.bucket_bytes >> 20), "--threads", std::to_string(cfg.threads),
                     "--pg-timeout", number(cfg.pg_timeout), "--rows", rows_path.string()};
                 if (cfg.bucket_bytes % (1u << 20)) throw std::runtime_error("--bucket-mib must be whole MiB");
-                std::vector<pid_t> pids;
+                // A store of the cell's own, on a port the kernel picked (support/processes.hpp).
+                const spbcast_test::launcher_store store(std::chrono::seconds(static_cast<std::int64_t>(cell_limit) + 60));
+                std::vector<spbcast_test::child> children;
                 std::vector<std::filesystem::path> logs;
                 for (int rank = 0; rank < world; ++rank) {
-                    std::vector<std::string> env = {
-                        "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),
-                        "RANK=" + std::to_string(rank), "WORLD_SIZE=" + std::to_string(world),
-                        "LOCAL_RANK=" + std::to_string(rank), "OMP_NUM_THREADS=" + std::to_string(cfg.threads)};
-                    for (char** e = environ; *e; ++e) {
-                        const std::string entry = *e;
-                        const auto name = entry.substr(0, entry.find('=') + 1);
-                        bool mine = false;
-                        for (const auto& m : env) mine |= m.rfind(name, 0) == 0;
-                        if (!mine) env.push_back(entry);
-                    }
+                    std::vector<std::string> env = store.rank_env(rank, world);
+                    env.push_back("OMP_NUM_THREADS=" + std::to_string(cfg.threads));
                     logs.push_back(tmp / ("cell" + std::to_string(n) + "-rank" + std::to_string(rank) + ".log"));
-                    const std::string log = logs.back().string();
-                    const pid_t pid = ::fork();
-                    if (pid == 0) {
-                        ::setpgid(0, 0);  // its own process group: a timeout kills exactly it
-                        const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-                        ::dup2(fd, 1);
-                        ::dup2(fd, 2);
-                        std::vector<char*> av, ev;
-                        for (auto& a : args) av.push_back(a.data());
-                        av.push_back(nullptr);
-                        for (auto& e : env) ev.push_back(e.data());
-                        ev.push_back(nullptr);
-                        ::execve(av[0], av.data(), ev.data());
-                        ::_exit(127);
-                    }
-                    ::setpgid(pid, pid);
-                    pids.push_back(pid);
+                    // Each rank in its own process group: a timeout kills exactly it.
+                    children.push_back({spbcast_test::spawn(args, spbcast_test::environment_with(env), logs.back(),
+                                                            /*own_process_group=*/true),
+                                        "rank " + std::to_string(rank), logs.back()});
                 }
+                // A failed rank leaves the others waiting for it until the group times out: they
+                // get 2 s to finish, then are killed.
+                const auto outcome = spbcast_test::supervise(
+                    children, {.deadline = std::chrono::milliseconds(static_cast<std::int64_t>(cell_limit * 1000)),
+                               .stop_on_failure = true,
+                               .stop_signal = 0,
+                               .grace = std::chrono::seconds(2),
+                               .process_groups = true});
+                const bool timed_out = outcome.timed_out;
                 std::vector<int> codes(world, -1);
-                std::vector<bool> done(world, false);
-                bool timed_out = false, failed = false;
-                int remaining = world;
-                while (remaining > 0) {
-                    for (int r = 0; r < world; ++r) {
-                        if (done[r]) continue;
-                        int status = 0;
-                        if (::waitpid(pids[r], &status, WNOHANG) == pids[r]) {
-                            done[r] = true;
-                            --remaining;
-                            codes[r] = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-                            failed |= codes[r] != 0;
-                        }
-                    }
-                    const double elapsed = std::chrono::duration<double>(clock_type::now() - cell_start).count();
-                    if (remaining > 0 && (failed || elapsed > cell_limit)) {
-                        // A failed rank leaves the others waiting for it until the group times out.
-                        timed_out = !failed;
-                        std::this_thread::sleep_for(std::chrono::seconds(failed ? 2 : 0));
-                        for (int r = 0; r < world; ++r)
-                            if (!done[r]) ::kill(-pids[r], SIGKILL);
-                        for (int r = 0; r < world; ++r)
-                            if (!done[r]) {
-                                int status = 0;
-                                ::waitpid(pids[r], &status, 0);
-                                done[r] = true;
-                                codes[r] = -9;
-                            }
-                        remaining = 0;
-                    }
-                    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+                for (int r = 0; r < world; ++r) {
+                    const spbcast_test::child& c = children[r];
+                    codes[r] = c.stopped && c.signal() == SIGKILL ? -9
+                               : WIFEXITED(c.status)          ? WEXITSTATUS(c.status)
+                                                              : 128 + WTERMSIG(c.status);
                 }
                 std::vector<std::string> rows;
                 std::vector<std::string> seen;

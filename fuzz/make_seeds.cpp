@@ -4,9 +4,10 @@
 // frame of another wire-format version.
 //
 //   spbcast_fuzz_seeds <output directory>
-#include "fault_support.hpp"
+#include "support/frames.hpp"
 #include "fuzz_common.hpp"
 #include "profiles.hpp"
+#include "support/fixtures.hpp"
 
 #include <ATen/CPUGeneratorImpl.h>
 
@@ -43,32 +44,6 @@ xtuner::Batch small_batch(xtuner::profile_shape shape, int micro, std::uint64_t 
     return batch;
 }
 
-c10::IValue dict_batch(int variant) {
-    c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
-    at::Tensor ids = at::arange(12 + variant).view({-1});
-    dict.insert("input_ids", ids);
-    dict.insert("cu_seq_lens_k", ids);
-    dict.insert("position_ids", ids.unsqueeze(0).expand({3, ids.size(0)}));
-    dict.insert("num_padding", int64_t{17});
-    dict.insert("scale", 0.5);
-    dict.insert("packed", true);
-    dict.insert("device", std::string("cpu"));
-    dict.insert("none", c10::IValue());
-    dict.insert("int_list", std::vector<int64_t>{1, 2, 3});
-    dict.insert("double_list", std::vector<double>{0.5, -0.0});
-    dict.insert("bool_list", c10::List<bool>({true, false}));
-    dict.insert("tensor_list", c10::List<at::Tensor>({at::ones({2}), ids}));
-    c10::impl::GenericList nested(c10::AnyType::get());
-    nested.push_back(std::string("x"));
-    nested.push_back(c10::ivalue::Tuple::create({int64_t{1}, at::zeros({1}, at::kHalf)}));
-    dict.insert("nested", nested);
-    c10::impl::GenericDict by_int(c10::IntType::get(), c10::TensorType::get());
-    by_int.insert(int64_t{3}, at::full({2}, 3.0));
-    dict.insert("by_int", by_int);
-    if (variant % 2) dict.insert("pixel_values", at::rand({4, 8}).t());
-    return dict;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -101,7 +76,7 @@ int main(int argc, char** argv) {
                       to_input(0, messages));
             }
     opts.checksum = false;
-    for (int v = 0; v < 4; ++v) write("ivalue-" + std::to_string(v), to_input(1, spbcast_fault::record(dict_batch(v), opts)));
+    for (int v = 0; v < 4; ++v) write("ivalue-" + std::to_string(v), to_input(1, spbcast_fault::record(spbcast_test::representative_dict(v), opts)));
     write("ivalue-none", to_input(1, spbcast_fault::record(c10::IValue(), opts)));
     write("xtuner-empty", to_input(0, spbcast_fault::record(xtuner::Batch{}, opts)));
 

@@ -22,43 +22,13 @@ cd "$(dirname "$0")/.."
 
 WORKER="${1:-build/system/tests/faults/spbcast_fault_worker}"
 TIMEOUT_MS="${SPBCAST_NETNS_TIMEOUT_MS:-3000}"
-SKIP=77
-
-skip() { echo "netns_test: SKIPPED: $*"; exit $SKIP; }
-fail() { echo "netns_test: FAILED: $*"; exit 1; }
+NETNS_NAME=netns_test
+. scripts/netns_common.sh
 
 [ -x "$WORKER" ] || fail "worker program $WORKER not found (build the spbcast_fault_worker target)"
-[ "$(id -u)" = 0 ] || skip "needs root to create network namespaces (run as root, or in CI as root)"
-command -v ip > /dev/null || skip "ip(8) from iproute2 is not installed"
+netns_init
 command -v tc > /dev/null || skip "tc(8) from iproute2 is not installed"
-
-id=$$
-NS_A="spbcast_a_$id"
-NS_B="spbcast_b_$id"
-VETH_A="spbA$id"
-VETH_B="spbB$id"
-ADDR_A=10.99.0.1
-ADDR_B=10.99.0.2
-WORK="$(mktemp -d /tmp/spbcast-netns.XXXXXX)"
-PIDS=()
-
-cleanup() {
-    for pid in "${PIDS[@]}"; do kill -KILL "$pid" 2> /dev/null; done
-    ip netns del "$NS_A" 2> /dev/null
-    ip netns del "$NS_B" 2> /dev/null
-    ip link del "$VETH_A" 2> /dev/null
-    rm -rf "$WORK"
-}
-trap cleanup EXIT
-trap 'exit 1' INT TERM
-
-ip netns add "$NS_A" 2> "$WORK/err" || skip "cannot create a network namespace: $(cat "$WORK/err")"
-ip netns add "$NS_B" 2> "$WORK/err" || skip "cannot create a network namespace: $(cat "$WORK/err")"
-ip link add "$VETH_A" type veth peer name "$VETH_B" 2> "$WORK/err" || skip "no veth pairs here: $(cat "$WORK/err")"
-ip link set "$VETH_A" netns "$NS_A" && ip link set "$VETH_B" netns "$NS_B" || fail "cannot move the veth ends"
-ip -n "$NS_A" addr add "$ADDR_A/24" dev "$VETH_A" && ip -n "$NS_B" addr add "$ADDR_B/24" dev "$VETH_B" || fail "addresses"
-for ns in "$NS_A" "$NS_B"; do ip -n "$ns" link set lo up; done
-ip -n "$NS_A" link set "$VETH_A" up && ip -n "$NS_B" link set "$VETH_B" up || fail "cannot bring the link up"
+netns_pair spb 10.99.0.1 10.99.0.2
 echo "netns_test: host A = $NS_A ($ADDR_A on $VETH_A), host B = $NS_B ($ADDR_B on $VETH_B)"
 
 # ---- impairment ------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The same-host path with a follower in another network namespace: ranks 0 and 1 in this
-# namespace, rank 2 in a new one, joined by a veth pair (10.98.0.1/24 here, 10.98.0.2/24
-# there) that Gloo uses. The abstract Unix socket of the root lives in this namespace, so the
-# handshake must choose the network path for the whole group (batches bit-exact), and
+# The same-host path with a follower in another network namespace: ranks 0 and 1 in one
+# namespace, rank 2 in another, joined by a veth pair (10.98.0.1/24 and 10.98.0.2/24) that Gloo
+# uses (scripts/netns_common.sh). The abstract Unix socket of the root lives in its namespace,
+# so the handshake must choose the network path for the whole group (batches bit-exact), and
 # transport_mode::shared_memory must be refused on every rank with the reason.
 #
 # Bounded, self-cleaning (trap), and skipped - exit 77 - where it cannot run: not root, no
@@ -13,49 +13,24 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 WORKER="${1:-build/system/tests/spbcast_shm_worker}"
-SKIP=77
-skip() { echo "shm_netns_test: SKIPPED: $*"; exit $SKIP; }
-fail() { echo "shm_netns_test: FAILED: $*"; exit 1; }
+NETNS_NAME=shm_netns_test
+. scripts/netns_common.sh
 
 [ -x "$WORKER" ] || fail "worker program $WORKER not found (build the spbcast_shm_worker target)"
-[ "$(id -u)" = 0 ] || skip "needs root to create a network namespace"
-command -v ip > /dev/null || skip "ip(8) from iproute2 is not installed"
-
-id=$$
-NS="spbcast_shm_$id"
-VETH_A="spsA$id"
-VETH_B="spsB$id"
-ADDR_A=10.98.0.1
-ADDR_B=10.98.0.2
-WORK="$(mktemp -d /tmp/spbcast-shm-netns.XXXXXX)"
-PIDS=()
-cleanup() {
-    for pid in "${PIDS[@]}"; do kill -KILL "$pid" 2> /dev/null; done
-    ip link del "$VETH_A" 2> /dev/null
-    ip netns del "$NS" 2> /dev/null
-    rm -rf "$WORK"
-}
-trap cleanup EXIT
-trap 'exit 1' INT TERM
-
-ip netns add "$NS" 2> "$WORK/err" || skip "cannot create a network namespace: $(cat "$WORK/err")"
-ip link add "$VETH_A" type veth peer name "$VETH_B" netns "$NS" 2> "$WORK/err" || skip "no veth pairs here: $(cat "$WORK/err")"
-ip addr add "$ADDR_A/24" dev "$VETH_A" && ip link set "$VETH_A" up || fail "cannot configure $VETH_A"
-ip -n "$NS" addr add "$ADDR_B/24" dev "$VETH_B" && ip -n "$NS" link set "$VETH_B" up && ip -n "$NS" link set lo up ||
-    fail "cannot configure $VETH_B"
+netns_init
+netns_pair sps 10.98.0.1 10.98.0.2
+PORT=29400  # a fresh namespace: nothing else listens there; one port per run
 
 run() {  # <transport> <expect>
-    local port=$((30000 + RANDOM % 20000)) status=0
+    local status=0
+    PORT=$((PORT + 1))
     PIDS=()
     for rank in 0 1 2; do
-        local env=(MASTER_ADDR=$ADDR_A MASTER_PORT=$port RANK=$rank WORLD_SIZE=3 LOCAL_RANK=$rank)
-        if [ $rank = 2 ]; then
-            ip netns exec "$NS" env "${env[@]}" GLOO_SOCKET_IFNAME=$VETH_B timeout 120 \
-                "$WORKER" check qwen3-vl-image 1 3 0 "$1" "$2" > "$WORK/rank$rank.log" 2>&1 &
-        else
-            env "${env[@]}" GLOO_SOCKET_IFNAME=$VETH_A timeout 120 \
-                "$WORKER" check qwen3-vl-image 1 3 0 "$1" "$2" > "$WORK/rank$rank.log" 2>&1 &
-        fi
+        local ns=$NS_A dev=$VETH_A
+        if [ $rank = 2 ]; then ns=$NS_B; dev=$VETH_B; fi
+        ip netns exec "$ns" env MASTER_ADDR=$ADDR_A MASTER_PORT=$PORT RANK=$rank WORLD_SIZE=3 LOCAL_RANK=$rank \
+            GLOO_SOCKET_IFNAME=$dev timeout 120 \
+            "$WORKER" check qwen3-vl-image 1 3 0 "$1" "$2" > "$WORK/rank$rank.log" 2>&1 &
         PIDS+=($!)
     done
     for rank in 0 1 2; do

@@ -72,8 +72,9 @@ int run(Loader& loader, const spbcast::dist::sp_layout& layout, int save_at, con
     return 0;
 }
 
-// Leaves only when every rank is done, rank 0 (the store's server) last, so no rank's exit
-// resets a connection another rank still reads from.
+// Leaves only when every rank is done, rank 0 last (it serves the store under a launcher that
+// does not serve one itself), so no rank's exit resets a connection another rank still reads
+// from.
 void leave_together(c10d::Store& store, int rank, int world) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     auto wait_for = [&](const std::string& key, int64_t count) {

@@ -4,6 +4,7 @@
 //
 //   spbcast_rank_worker <profile> <micro_batches> <steps> <root>
 #include "profiles.hpp"
+#include "support/processes.hpp"
 
 #include <spbcast/spbcast.hpp>
 
@@ -17,9 +18,7 @@ int main(int argc, char** argv) {
     const auto profile = xtuner::profile_from_name(argv[1]);
     const int micro_batches = std::stoi(argv[2]), steps = std::stoi(argv[3]), root = std::stoi(argv[4]);
     try {
-        const auto env = spbcast::dist::launch_env::from_environment();
-        auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
-        auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+        auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
         for (int step = 0; step < steps; ++step) {
             xtuner::Batch batch;
             if (env.rank == root) batch = xtuner::make_batch(profile, micro_batches, step);

@@ -24,6 +24,7 @@
 //   spbcast_shm_worker soak <rounds>
 //       many small and mid-sized batches; descriptor count and memory must stay flat.
 #include "profiles.hpp"
+#include "support/processes.hpp"
 
 #include <spbcast/spbcast.hpp>
 
@@ -109,9 +110,7 @@ int check(int argc, char** argv) {
     const auto transport = mode_of(argv[6]);
     const std::string expect = argv[7];
     (void)argc;
-    const auto env = spbcast::dist::launch_env::from_environment();
-    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
-    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
     const spbcast::options opts{.root = root, .timeout = std::chrono::seconds(30), .transport = transport};
     const int writer = root == 0 ? 1 : 0;  // the follower whose writes must stay private
     for (int step = 0; step < steps; ++step) {
@@ -183,9 +182,7 @@ int check(int argc, char** argv) {
 int leader_allocates(char** argv) {
     const auto profile = xtuner::profile_from_name(argv[2]);
     const int micro_batches = std::stoi(argv[3]), steps = std::stoi(argv[4]);
-    const auto env = spbcast::dist::launch_env::from_environment();
-    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
-    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
     const spbcast::options opts{.timeout = std::chrono::seconds(30)};
     auto fail = [&](const std::string& what) {
         std::cerr << "rank " << env.rank << ": " << what << "\n";
@@ -293,9 +290,7 @@ std::string enter_memory_cgroup(std::uint64_t limit, std::string& why) {
 
 int cgroup_fallback(char** argv) {
     const auto profile = xtuner::profile_from_name(argv[2]);
-    const auto env = spbcast::dist::launch_env::from_environment();
-    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
-    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
     const spbcast::options opts{.timeout = std::chrono::seconds(30)};
     std::vector<at::Tensor> nothing;
     spbcast::broadcast(nothing, group, opts);  // the handshake, outside the cgroup
@@ -331,9 +326,7 @@ int cgroup_fallback(char** argv) {
 
 int root_dies(char** argv) {
     const auto profile = xtuner::profile_from_name(argv[2]);
-    const auto env = spbcast::dist::launch_env::from_environment();
-    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
-    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
     const spbcast::options opts{.timeout = std::chrono::seconds(10), .transport = spbcast::transport_mode::shared_memory};
     xtuner::Batch batch;
     if (env.rank == 0) batch = xtuner::make_batch(profile, 1, 5);
@@ -361,9 +354,7 @@ int root_dies(char** argv) {
 }
 
 int kill_loop(char** argv) {
-    const auto env = spbcast::dist::launch_env::from_environment();
-    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
-    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
     const auto baseline = count_fds();
     std::mt19937_64 rng(std::stoull(argv[2]));
     // The test picks a victim and a moment; the victim SIGKILLs itself from a thread then,
@@ -411,9 +402,7 @@ int kill_loop(char** argv) {
 // batch goes over the network, intact; the next one takes the same-host path again.
 int fallback(char** argv) {
     const auto profile = xtuner::profile_from_name(argv[2]);
-    const auto env = spbcast::dist::launch_env::from_environment();
-    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
-    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
     const spbcast::options opts{.timeout = std::chrono::seconds(30)};
     for (int step = 0; step < 3; ++step) {
         rlimit saved{};
@@ -466,9 +455,7 @@ int group_memory(char** argv) {
     const int micro_batches = std::stoi(argv[3]);
     const auto transport = mode_of(argv[4]);
     const bool leader_allocates = argv[5] && std::string(argv[5]) == "leader_allocates";
-    const auto env = spbcast::dist::launch_env::from_environment();
-    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
-    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
     const spbcast::options opts{.timeout = std::chrono::seconds(60), .transport = transport};
     {   // the handshake, and the loader-side warm-up, outside the measurement
         std::vector<at::Tensor> nothing;
@@ -509,9 +496,7 @@ int group_memory(char** argv) {
 
 int soak(char** argv) {
     const int rounds = std::stoi(argv[2]);
-    const auto env = spbcast::dist::launch_env::from_environment();
-    auto store = spbcast::dist::make_store(env, std::chrono::seconds(30));
-    auto group = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, std::chrono::seconds(30));
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
     std::mt19937_64 rng(42);
     fd_census fds_at_warm{};
     long rss_at_warm = 0;

@@ -94,34 +94,26 @@ run_record run_layout(int world, int sp, bool dedup, int workers, bool persisten
     record.epochs.resize(world);
     std::atomic<int> built{0};
     auto store = c10::make_intrusive<c10d::HashStore>();
-    std::vector<std::thread> threads;
-    std::vector<std::exception_ptr> errors(world);
-    for (int rank = 0; rank < world; ++rank)
-        threads.emplace_back([&, rank] {
-            try {
-                auto layout = spbcast::dist::make_sp_layout(store, rank, world, sp, std::chrono::seconds(30));
-                spbcast::loader_config cfg{.sp_media_dedup = dedup, .total_epoch = total_epoch};
-                auto loader = spbcast::make_leader_loader(cfg, layout.sp_group, 1, [&] {
-                    ++built;
-                    return std::make_unique<demo::MediaLoader>(
-                        small_pipeline(workers, persistent, layout.dp_rank, layout.dp_size));
-                });
-                CHECK(loader.dedup() == (dedup && sp > 1));
-                while (auto batch = loader.next()) {
-                    record.digests[rank].push_back(spbcast::digest(*batch));
-                    record.epochs[rank].push_back(loader.epoch());
-                }
-                CHECK(loader.step() == static_cast<int64_t>(record.digests[rank].size()));
-                CHECK(loader.total_steps() == loader.length() * total_epoch);
-                // Leave together: a rank that destroys its groups while a peer is still
-                // connecting them resets that peer's connection (seen with SP 1: DP 4 groups).
-                layout.sp_group->barrier()->wait();
-                layout.dp_group->barrier()->wait();
-            } catch (...) {
-                errors[rank] = std::current_exception();
-            }
+    const auto errors = spbcast_test::run_threads(world, [&](int rank) {
+        auto layout = spbcast::dist::make_sp_layout(store, rank, world, sp, std::chrono::seconds(30));
+        spbcast::loader_config cfg{.sp_media_dedup = dedup, .total_epoch = total_epoch};
+        auto loader = spbcast::make_leader_loader(cfg, layout.sp_group, 1, [&] {
+            ++built;
+            return std::make_unique<demo::MediaLoader>(
+                small_pipeline(workers, persistent, layout.dp_rank, layout.dp_size));
         });
-    for (auto& t : threads) t.join();
+        CHECK(loader.dedup() == (dedup && sp > 1));
+        while (auto batch = loader.next()) {
+            record.digests[rank].push_back(spbcast::digest(*batch));
+            record.epochs[rank].push_back(loader.epoch());
+        }
+        CHECK(loader.step() == static_cast<int64_t>(record.digests[rank].size()));
+        CHECK(loader.total_steps() == loader.length() * total_epoch);
+        // Leave together: a rank that destroys its groups while a peer is still
+        // connecting them resets that peer's connection (seen with SP 1: DP 4 groups).
+        layout.sp_group->barrier()->wait();
+        layout.dp_group->barrier()->wait();
+    });
     for (int rank = 0; rank < world; ++rank)
         if (errors[rank]) FAIL("rank " << rank << ": " << message_of(errors[rank]));
     record.loaders_built = built;
@@ -302,20 +294,12 @@ TEST_CASE("a leader slower than the transport timeout is waited for, as a BASE r
 TEST_CASE("GLOO_SOCKET_IFNAME may name several interfaces, as in PyTorch") {
     ::setenv("GLOO_SOCKET_IFNAME", "lo,lo", 1);
     auto store = c10::make_intrusive<c10d::HashStore>();
-    std::vector<std::exception_ptr> errors(2);
-    std::vector<std::thread> threads;
-    for (int rank = 0; rank < 2; ++rank)
-        threads.emplace_back([&, rank] {
-            try {
-                auto group = spbcast::dist::make_gloo_group(store, rank, 2, std::chrono::seconds(10));
-                at::Tensor t = rank == 0 ? at::arange(10) : at::Tensor();
-                spbcast::broadcast(t, group);
-                CHECK(t.equal(at::arange(10)));
-            } catch (...) {
-                errors[rank] = std::current_exception();
-            }
-        });
-    for (auto& t : threads) t.join();
+    const auto errors = spbcast_test::run_threads(2, [&](int rank) {
+        auto group = spbcast::dist::make_gloo_group(store, rank, 2, std::chrono::seconds(10));
+        at::Tensor t = rank == 0 ? at::arange(10) : at::Tensor();
+        spbcast::broadcast(t, group);
+        CHECK(t.equal(at::arange(10)));
+    });
     ::unsetenv("GLOO_SOCKET_IFNAME");
     for (const auto& e : errors) CHECK_MESSAGE(!e, message_of(e));
 }

@@ -1,4 +1,5 @@
 // Every kind of value spbcast reflects, nested, rebuilt identically on every follower.
+#include "support/fixtures.hpp"
 #include "support/roundtrip.hpp"
 
 #include <boost/hana/adapt_struct.hpp>
@@ -158,30 +159,7 @@ TEST_CASE("followers' previous contents are replaced, empty containers and absen
 }
 
 TEST_CASE("dynamic IValue batches, built like Python dicts") {
-    auto make = [] {
-        c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
-        at::Tensor ids = at::arange(12).view({3, 4});
-        dict.insert("input_ids", ids);
-        dict.insert("alias", ids);
-        dict.insert("view", ids.t());
-        dict.insert("num_padding", int64_t{17});
-        dict.insert("scale", 0.5);
-        dict.insert("packed", true);
-        dict.insert("device", std::string("cpu"));
-        dict.insert("none", c10::IValue());
-        dict.insert("int_list", std::vector<int64_t>{1, 2, 3});
-        dict.insert("double_list", std::vector<double>{0.5, -0.0});
-        dict.insert("bool_list", c10::List<bool>({true, false}));
-        dict.insert("tensor_list", c10::List<at::Tensor>({at::ones({2}), ids}));
-        c10::impl::GenericList nested(c10::AnyType::get());
-        nested.push_back(std::string("x"));
-        nested.push_back(c10::ivalue::Tuple::create({int64_t{1}, at::zeros({1})}));
-        dict.insert("nested", nested);
-        c10::impl::GenericDict by_int(c10::IntType::get(), c10::TensorType::get());
-        by_int.insert(int64_t{3}, at::full({2}, 3.0));
-        dict.insert("by_int", by_int);
-        return std::vector<c10::IValue>{c10::IValue(dict), c10::IValue()};
-    };
+    auto make = [] { return std::vector<c10::IValue>{spbcast_test::representative_dict(), c10::IValue()}; };
     for (int root : {0, 2}) roundtrip<std::vector<c10::IValue>>(3, root, make);
 }
 

@@ -2,8 +2,9 @@
 // iteration on local processes with sp_media_dedup off (BASE: every rank runs its own multimodal
 // loader) and on (only the SP leaders load and broadcast), checks that every rank got the same
 // batches either way, stops the dedup run at a checkpoint and resumes it in new processes, and
-// reports loaders built, median step time and the summed CPU memory (PSS) of the ranks - the
-// evidence table of the reference PR, at small scale. See README.md next to this file.
+// reports loaders built, median step time and the group's CPU memory (pss.hpp) - the evidence
+// table of the reference PR, at small scale. Dedup runs twice: over the network and over the
+// same-host path. See README.md next to this file.
 //
 // This file is the launcher and the report; demo_worker.cpp is what every rank runs.
 #include "dataset.hpp"
@@ -12,12 +13,9 @@
 #include "demo_worker.hpp"
 #include "packing.hpp"
 #include "pss.hpp"
+#include "support/processes.hpp"
 
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -38,8 +36,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-extern char** environ;
 
 namespace {
 
@@ -96,58 +92,6 @@ std::string tail_of(const fs::path& path, int lines) {
 // ---------------------------------------------------------------------------------------------
 // Starting ranks
 
-int free_port() {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof addr;
-    if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-        if (fd >= 0) ::close(fd);
-        throw std::runtime_error("cannot find a free TCP port on 127.0.0.1");
-    }
-    ::close(fd);
-    return ntohs(addr.sin_port);
-}
-
-// This environment with `overrides` (NAME=value) replacing or adding entries.
-std::vector<std::string> environment_with(const std::vector<std::string>& overrides) {
-    std::vector<std::string> env = overrides;
-    for (char** e = environ; *e; ++e) {
-        const std::string entry = *e;
-        const std::string name = entry.substr(0, entry.find('=') + 1);
-        bool replaced = false;
-        for (const std::string& mine : overrides) replaced |= mine.rfind(name, 0) == 0;
-        if (!replaced) env.push_back(entry);
-    }
-    return env;
-}
-
-// fork + exec with stdout and stderr into `log`.
-pid_t spawn(const std::vector<std::string>& args, const std::vector<std::string>& env, const fs::path& log) {
-    std::vector<std::string> a = args, e = env;
-    std::vector<char*> argv, envp;
-    for (std::string& s : a) argv.push_back(s.data());
-    argv.push_back(nullptr);
-    for (std::string& s : e) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    const std::string log_path = log.string();
-    const pid_t pid = ::fork();
-    if (pid < 0) throw std::runtime_error("fork failed");
-    if (pid == 0) {
-        const int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        if (fd >= 0) {
-            ::dup2(fd, 1);
-            ::dup2(fd, 2);
-        }
-        ::execvpe(argv[0], argv.data(), envp.data());
-        std::fprintf(stderr, "cannot execute %s\n", argv[0]);
-        ::_exit(127);
-    }
-    return pid;
-}
-
 // Prints the progress lines ("[demo] ...") that appear in a log while it grows.
 class ProgressRelay {
 public:
@@ -181,64 +125,32 @@ private:
     std::string pending_;
 };
 
-struct Child {
-    pid_t pid = -1;
-    std::string name;  // "rank 2", "torchrun"
-    fs::path log;
-    bool done = false;
-    int status = 0;
-};
-
 std::string describe_status(int status) {
     if (WIFEXITED(status)) return "exit status " + std::to_string(WEXITSTATUS(status));
     if (WIFSIGNALED(status)) return std::string("killed by signal ") + ::strsignal(WTERMSIG(status));
     return "status " + std::to_string(status);
 }
 
-bool failed(const Child& c) { return c.done && !(WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0); }
-
 // Waits for all children up to the deadline, relaying progress. When one fails (or time is up)
 // the others get SIGTERM and, 5 s later, SIGKILL: ranks of a broken job would otherwise wait in
 // a collective until its timeout. Returns an empty string on success, else what went wrong.
-std::string supervise(std::vector<Child>& children, ProgressRelay& relay, std::chrono::seconds deadline) {
-    const auto start = Clock::now();
-    std::optional<Clock::time_point> stopping;  // when we started to stop the rest
-    std::string why;
-    for (;;) {
-        bool all_done = true;
-        for (Child& c : children) {
-            if (c.done) continue;
-            int status = 0;
-            const pid_t r = ::waitpid(c.pid, &status, WNOHANG);
-            if (r == c.pid) {
-                c.done = true;
-                c.status = status;
-                if (failed(c) && why.empty())
-                    why = c.name + " failed (" + describe_status(status) + "); the end of its log " + c.log.string() +
-                          ":\n" + tail_of(c.log, 25);
-            } else {
-                all_done = false;
-            }
-        }
-        relay.poll();
-        if (all_done) break;
-        if (!stopping && Clock::now() - start > deadline) {
-            why = "the ranks ran past the deadline of " + std::to_string(deadline.count()) +
-                  " s (--timeout); the end of " + children.front().log.string() + ":\n" +
-                  tail_of(children.front().log, 25);
-        }
-        if (!why.empty() && !stopping) {
-            stopping = Clock::now();
-            for (Child& c : children)
-                if (!c.done) ::kill(c.pid, SIGTERM);
-        }
-        if (stopping && Clock::now() - *stopping > std::chrono::seconds(5))
-            for (Child& c : children)
-                if (!c.done) ::kill(c.pid, SIGKILL);
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
+std::string supervise(std::vector<spbcast_test::child>& children, ProgressRelay& relay, std::chrono::seconds deadline) {
+    const auto outcome = spbcast_test::supervise(children, {.deadline = deadline,
+                                                            .stop_on_failure = true,
+                                                            .stop_signal = SIGTERM,
+                                                            .grace = std::chrono::seconds(5),
+                                                            .on_poll = [&] { relay.poll(); }});
     relay.poll(true);
-    return why;
+    if (outcome.first_failed >= 0) {
+        const spbcast_test::child& c = children[outcome.first_failed];
+        return c.name + " failed (" + describe_status(c.status) + "); the end of its log " + c.log.string() +
+               ":\n" + tail_of(c.log, 25);
+    }
+    if (outcome.timed_out)
+        return "the ranks ran past the deadline of " + std::to_string(deadline.count()) +
+               " s (--timeout); the end of " + children.front().log.string() + ":\n" +
+               tail_of(children.front().log, 25);
+    return {};
 }
 
 std::string find_torchrun(const DemoOptions& o, const std::string& python) {
@@ -251,30 +163,28 @@ std::string find_torchrun(const DemoOptions& o, const std::string& python) {
 }
 
 // One launch: `world` ranks of this program in rank mode with `args`, by fork/exec or torchrun.
+// Either way the ranks meet at a store on a port the kernel picked: ours (support/processes.hpp,
+// served here for the launch), or torchrun's (--standalone).
 std::string launch(const DemoOptions& o, const std::vector<std::string>& args, const fs::path& logs,
                    const std::string& python) {
     fs::create_directories(logs);
     const std::string self = fs::canonical("/proc/self/exe").string();
-    const int port = free_port();
-    std::vector<Child> children;
+    std::vector<spbcast_test::child> children;
+    std::optional<spbcast_test::launcher_store> store;
     if (o.launcher == "torchrun") {
-        std::vector<std::string> command = {find_torchrun(o, python), "--no-python", "--nnodes", "1",
-                                            "--nproc-per-node", std::to_string(o.world_size),
-                                            "--master-addr", "127.0.0.1", "--master-port", std::to_string(port),
-                                            self};
+        std::vector<std::string> command = {find_torchrun(o, python), "--no-python", "--standalone", "--nnodes", "1",
+                                            "--nproc-per-node", std::to_string(o.world_size), self};
         command.insert(command.end(), args.begin(), args.end());
         const fs::path log = logs / "torchrun.log";
-        children.push_back({spawn(command, environment_with({}), log), "torchrun", log});
+        children.push_back({spbcast_test::spawn(command, spbcast_test::environment_with({}), log), "torchrun", log});
     } else {
+        store.emplace(std::chrono::seconds(o.timeout_s + 60));
         for (int rank = 0; rank < o.world_size; ++rank) {
             std::vector<std::string> command = {self};
             command.insert(command.end(), args.begin(), args.end());
             const fs::path log = logs / ("rank" + std::to_string(rank) + ".log");
-            const std::vector<std::string> env = environment_with(
-                {"MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port), "RANK=" + std::to_string(rank),
-                 "WORLD_SIZE=" + std::to_string(o.world_size), "LOCAL_RANK=" + std::to_string(rank),
-                 "LOCAL_WORLD_SIZE=" + std::to_string(o.world_size)});
-            children.push_back({spawn(command, env, log), "rank " + std::to_string(rank), log});
+            const std::vector<std::string> env = spbcast_test::environment_with(store->rank_env(rank, o.world_size));
+            children.push_back({spbcast_test::spawn(command, env, log), "rank " + std::to_string(rank), log});
         }
     }
     ProgressRelay relay(children.front().log);
@@ -561,7 +471,7 @@ void write_pss_csv(const fs::path& path, const std::vector<Setting>& settings) {
 }
 
 int run_and_wait(const std::vector<std::string>& command, const fs::path& log) {
-    const pid_t pid = spawn(command, environment_with({}), log);
+    const pid_t pid = spbcast_test::spawn(command, spbcast_test::environment_with({}), log);
     int status = 0;
     ::waitpid(pid, &status, 0);
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128;

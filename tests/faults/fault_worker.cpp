@@ -21,7 +21,7 @@
 //     hang_ms=10000
 //
 //   spbcast_fault_worker replay=<file> type=tensors|ivalue|xtuner
-//                         replays a recording (fault_support.hpp: save_messages) into a
+//                         replays a recording (support/frames.hpp: save_messages) into a
 //                         follower of that batch type, with no network, and prints
 //                         "REPLAY ok", "REPLAY spbcast_error <errc>: <message>" (exit 3) or
 //                         "REPLAY other_exception <message>" (exit 4); a crash is a signal.
@@ -30,7 +30,7 @@
 // "SPBCAST_FAULT rank=R step=S type=T errc='E' phase='P' ms=T" then "SPBCAST_WHAT <message>" (new
 // lines shown as " | "), exit 3 (spbcast::error) or 4 (any other exception); 1 when a step
 // arrived different from the root's batch; "rank R done rss_mib M" and exit 0 otherwise.
-#include "fault_support.hpp"
+#include "support/frames.hpp"
 #include "profiles.hpp"
 
 #include <spbcast/spbcast.hpp>

@@ -6,7 +6,7 @@
 // the same group works. Follower-side mismatches (batch type, wire-format version): the
 // follower drains the announced payload and raises; the root completes; the next step works.
 // Ranks are threads with real Gloo groups on one store; every root is tried.
-#include "fault_support.hpp"
+#include "support/frames.hpp"
 #include "outcomes.hpp"
 #include "support/identical.hpp"
 #include "support/ranks.hpp"

@@ -2,12 +2,13 @@
 // frames make a follower raise spbcast::error - never crash, never read or write out of
 // bounds, never raise anything else, never allocate beyond the configured limits.
 //
-// Frames are recorded from a real root (fault_support.hpp: record) and replayed into a
+// Frames are recorded from a real root (support/frames.hpp: record) and replayed into a
 // follower with no network (replay_group), so thousands of variants run in seconds. Every
 // replay runs under a counting CPU allocator that checks what decoding allocated. Crafted
 // frames that could crash the decoder run in a separate process (spbcast_fault_worker
 // replay=...), so a crash is reported as a failed check instead of ending the test run.
-#include "fault_support.hpp"
+#include "support/frames.hpp"
+#include "support/fixtures.hpp"
 #include "support/processes.hpp"
 
 #include <spbcast/detail/version.hpp>
@@ -145,30 +146,6 @@ Tensors varied_tensors() {
             at::rand({3}).requires_grad_()};
 }
 
-c10::IValue varied_ivalue() {
-    c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
-    at::Tensor ids = at::arange(12).view({3, 4});
-    dict.insert("input_ids", ids);
-    dict.insert("alias", ids);
-    dict.insert("num", int64_t{17});
-    dict.insert("scale", 0.5);
-    dict.insert("flag", true);
-    dict.insert("name", std::string("cpu"));
-    dict.insert("none", c10::IValue());
-    dict.insert("ints", std::vector<int64_t>{1, 2, 3});
-    dict.insert("doubles", std::vector<double>{0.5, -0.0});
-    dict.insert("bools", c10::List<bool>({true, false}));
-    dict.insert("tensors", c10::List<at::Tensor>({at::ones({2}), ids}));
-    c10::impl::GenericList nested(c10::AnyType::get());
-    nested.push_back(std::string("x"));
-    nested.push_back(c10::ivalue::Tuple::create({int64_t{1}, at::zeros({1})}));
-    dict.insert("nested", nested);
-    c10::impl::GenericDict by_int(c10::IntType::get(), c10::TensorType::get());
-    by_int.insert(int64_t{3}, at::full({2}, 3.0));
-    dict.insert("by_int", by_int);
-    return dict;
-}
-
 struct seed {
     std::string name;
     std::vector<std::vector<std::uint8_t>> messages;
@@ -184,7 +161,7 @@ std::vector<seed> seeds() {
     out.push_back({"varied tensors", record(varied_tensors(), opts),
                    [](const auto& m) { return checked_replay<Tensors>(m); }});
     opts.checksum = true;
-    out.push_back({"IValue dict, checksum", record(varied_ivalue(), opts),
+    out.push_back({"IValue dict, checksum", record(spbcast_test::representative_dict(), opts),
                    [opts](const auto& m) { return checked_replay<c10::IValue>(m, opts); }});
     return out;
 }

@@ -3,7 +3,7 @@
 // is always detected (its header and body carry checksums) and reported as errc::corrupt_frame.
 // The damage is done by a transport that wraps a real Gloo group and flips bits in what a
 // follower received, after the real broadcast completed and before spbcast looks at it.
-#include "fault_support.hpp"
+#include "support/frames.hpp"
 #include "outcomes.hpp"
 #include "support/identical.hpp"
 #include "support/ranks.hpp"

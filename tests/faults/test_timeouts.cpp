@@ -4,7 +4,7 @@
 // errc::transport) naming the broadcast number, the phase and the root, within the timeout
 // plus a small slack, and no process hangs. options.timeout is shorter than the Gloo group's
 // own timeout in every case, so it is spbcast's bound that is tested, not Gloo's default.
-#include "fault_support.hpp"
+#include "support/frames.hpp"
 #include "outcomes.hpp"
 #include "support/processes.hpp"
 #include "support/ranks.hpp"

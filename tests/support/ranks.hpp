@@ -1,10 +1,11 @@
 // N ranks as threads of this process, each with its own real Gloo process group on one shared
-// in-memory store (loopback TCP between the ranks). Every rank's exception is collected.
+// in-memory store (a HashStore: no port to find), the ranks talking over loopback TCP on ports
+// the kernel gives Gloo. Every rank's exception is collected.
 #pragma once
 
+#include <spbcast/dist.hpp>
+
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <chrono>
 #include <exception>
@@ -17,26 +18,15 @@ namespace spbcast_test {
 
 using namespace std::chrono_literals;
 
-inline c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo_group(
-    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-    std::chrono::milliseconds timeout = 20s) {
-    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
-}
-
-// Runs body(rank, group) on `world` threads; returns each rank's exception (null if none).
+// Runs body(rank) on `world` threads; returns each one's exception (null if none).
 template <class Body>
-std::vector<std::exception_ptr> run_ranks_collect(int world, Body body,
-                                                  std::chrono::milliseconds timeout = 20s) {
-    auto store = c10::make_intrusive<c10d::HashStore>();
+std::vector<std::exception_ptr> run_threads(int world, Body body) {
     std::vector<std::exception_ptr> errors(world);
     std::vector<std::thread> threads;
     for (int rank = 0; rank < world; ++rank) {
         threads.emplace_back([&, rank] {
             try {
-                auto group = make_gloo_group(store, rank, world, timeout);
-                body(rank, *group);
+                body(rank);
             } catch (...) {
                 errors[rank] = std::current_exception();
             }
@@ -44,6 +34,17 @@ std::vector<std::exception_ptr> run_ranks_collect(int world, Body body,
     }
     for (auto& t : threads) t.join();
     return errors;
+}
+
+// Runs body(rank, group) on `world` threads; returns each rank's exception (null if none).
+template <class Body>
+std::vector<std::exception_ptr> run_ranks_collect(int world, Body body,
+                                                  std::chrono::milliseconds timeout = 20s) {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    return run_threads(world, [&](int rank) {
+        auto group = spbcast::dist::make_gloo_group(store, rank, world, timeout, "127.0.0.1");
+        body(rank, *group);
+    });
 }
 
 inline std::string message_of(const std::exception_ptr& e) {

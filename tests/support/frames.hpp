@@ -1,8 +1,8 @@
-// Test transports for the fault tests. None of them is a mock of spbcast: each one is a group
-// that spbcast drives through its public process_group concept, and each either forwards to a
-// real Gloo group (and then tampers with, delays or kills the traffic) or records and replays
-// the exact messages a real root sends, so a follower's decoding can be fed hostile bytes
-// without a network.
+// Test transports for the fault tests and the fuzz corpus, and the frames they carry. None of
+// them is a mock of spbcast: each one is a group that spbcast drives through its public
+// process_group concept, and each either forwards to a real Gloo group (and then tampers with,
+// delays or kills the traffic) or records and replays the exact messages a real root sends, so
+// a follower's decoding can be fed hostile bytes without a network.
 #pragma once
 
 #include <spbcast/broadcast.hpp>
