@@ -46,7 +46,6 @@ import os
 import pickle
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -605,10 +604,12 @@ def worker_main(cfg):
 # The parent: one cell at a time, every rank a child process, all of it bounded in time.
 # --------------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def job_store():
+    """The cell's store, served from here on a port the kernel picks and open until the ranks are
+    done, so no other job can take the port; the ranks connect to it as clients (torchrun's
+    agent-store convention, TORCHELASTIC_USE_AGENT_STORE)."""
+    import torch.distributed as dist
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def _last_line(path) -> str:
@@ -676,7 +677,9 @@ def run_cell(args, profile, micro_batches, world) -> list[dict]:
             "pg_timeout": args.pg_timeout, "threads": args.threads, "rows_path": rows_path,
             "skip": memory_skips(args, profile, micro_batches, world),
         }
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+        store = job_store()
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                   TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
                    WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo",
                    OMP_NUM_THREADS=str(args.threads))
         procs, logs = [], []
