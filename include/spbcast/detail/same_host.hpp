@@ -132,8 +132,11 @@ inline std::optional<segment_layout> place_payload(same_host_state& state, const
     if (copies) {
         std::string why_not;
         lease = pool.acquire(copied_bytes, holders, why_not);
-        // The tensors kept above then go over the network, intact: nothing of them has left.
-        if (!lease) return std::nullopt;
+        if (!lease) {
+            // The tensors kept above go over the network too, intact: nothing of them has left.
+            pool.count_network_fallback();
+            return std::nullopt;
+        }
     }
 
     // The descriptors go in this order: the batch's segment, then the kept ones in slot order.

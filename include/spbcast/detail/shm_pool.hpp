@@ -96,10 +96,7 @@ public:
             return {best->id, best->segment.fd(), best->segment.data(), best->segment.capacity()};
         }
         shm_segment segment = shm_segment::create(need, why_not);
-        if (!segment) {
-            ++fallbacks_;
-            return {};
-        }
+        if (!segment) return {};
         ++created_;
         const std::uint64_t id = ++next_id_;
         entry& e = segments_[id];
@@ -118,6 +115,11 @@ public:
     void count_tensor(bool shared) {
         std::lock_guard<std::mutex> lock(mutex_);
         ++(shared ? tensors_shared_ : tensors_allocated_);
+    }
+
+    void count_network_fallback() {
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++fallbacks_;
     }
 
     // One holder let go of segment `id`: a follower unmapped it (or never mapped it), or the
