@@ -226,8 +226,6 @@ parsed_frame parse_frame(const frame_header& header, const std::vector<std::uint
     parsed_frame frame;
     frame.plan.read_slot_table(in);
     if (transferred_slot_count(frame.plan.slots()) != header.slot_count) in.fail("slot count differs from the header");
-    if (header.flags & shared_segment)
-        frame.segment = segment_layout::read(in, frame.plan.slots(), header.flags & payload_checksums);
     if (header.version != format_version) {
         frame.mismatch = std::make_exception_ptr(error(
             errc::version_mismatch,
@@ -236,6 +234,9 @@ parsed_frame parse_frame(const frame_header& header, const std::vector<std::uint
                 "; build every rank with the same spbcast release"));
         return frame;
     }
+    // Another version's segment layout may differ: read only once the version is known.
+    if (header.flags & shared_segment)
+        frame.segment = segment_layout::read(in, frame.plan.slots(), header.flags & payload_checksums);
     const std::string root_schema = in.get_string(lim.max_frame_bytes);
     if (header.fingerprint != fingerprint_of<T> || root_schema != schema_of<T>) {
         frame.mismatch = std::make_exception_ptr(schema_error(
