@@ -42,7 +42,7 @@ enum class kind {
     floating,     //                                     kind_scalars.hpp
     enumeration,  //                                     kind_scalars.hpp
     string,       // std::string                         kind_scalars.hpp
-    optional,     // std::optional, a distinct c10::optional   kind_wrappers.hpp
+    optional,     // std::optional, c10::optional        kind_wrappers.hpp
     variant,      // std::variant                        kind_wrappers.hpp
     array,        // std::array                          kind_containers.hpp
     map,          // std::map, std::unordered_map        kind_containers.hpp
