@@ -185,6 +185,41 @@ TEST_CASE("schemas are readable, canonical and stable") {
     static_assert(spbcast::fingerprint_of<Everything> != 0, "computed at compile time");
 }
 
+// The kind of a type is the first, in priority order, whose traits match it; each kind's
+// smallest stream size bounds the counts a follower accepts.
+TEST_CASE("every type has one kind, the first in priority order whose traits match") {
+    using spbcast::detail::kind;
+    using spbcast::detail::kind_v;
+    using spbcast::detail::min_wire_bytes;
+    static_assert(kind_v<user::Grid> == kind::custom);  // a codec beats reflection
+    static_assert(kind_v<at::Tensor> == kind::tensor);
+    static_assert(kind_v<c10::IValue> == kind::ivalue);
+    static_assert(kind_v<bool> == kind::boolean);  // before integers
+    static_assert(kind_v<const char> == kind::integer);
+    static_assert(kind_v<double> == kind::floating);
+    static_assert(kind_v<user::Modality> == kind::enumeration);
+    static_assert(kind_v<std::string> == kind::string);  // not a sequence of chars
+    static_assert(kind_v<std::optional<int>> == kind::optional);
+    static_assert(kind_v<std::variant<int, float>> == kind::variant);
+    static_assert(kind_v<std::array<int, 2>> == kind::array);  // before tuple-likes
+    static_assert(kind_v<std::unordered_map<std::string, int>> == kind::map);
+    static_assert(kind_v<std::unordered_set<int>> == kind::set);
+    static_assert(kind_v<std::list<int>> == kind::sequence);
+    static_assert(kind_v<std::pair<int, std::string>> == kind::tuple);
+    static_assert(kind_v<user::Sample> == kind::hana_struct);
+    static_assert(kind_v<user::Adapted> == kind::hana_struct);
+    static_assert(kind_v<Everything> == kind::aggregate);  // the last resort
+    static_assert(kind_v<int*> == kind::unsupported);
+
+    CHECK(min_wire_bytes<user::Grid>() == 8 + 8 + 4);
+    CHECK(min_wire_bytes<std::tuple<bool, double, std::optional<int>>>() == 1 + 8 + 1);
+    CHECK(min_wire_bytes<std::array<int16_t, 3>>() == 6);
+    CHECK(min_wire_bytes<user::Span>() == 8);
+    CHECK(min_wire_bytes<std::variant<std::string, double>>() == 4);
+    CHECK(min_wire_bytes<std::map<std::string, std::vector<float>>>() == 8);
+    CHECK(min_wire_bytes<c10::IValue>() == 1);
+}
+
 namespace user {
 
 // The README's Grid: no default constructor, rebuilt only through its constructor.

@@ -5,8 +5,9 @@
 // without sending the batch again.
 #pragma once
 
+#include "detail/bit_views.hpp"
 #include "detail/bytes.hpp"
-#include "detail/tensor_plan.hpp"
+#include "detail/send_plan.hpp"
 #include "detail/value_codec.hpp"
 #include "options.hpp"
 #include "schema.hpp"

@@ -9,13 +9,13 @@
 // usually alive while the next one arrives), but between batches that much stays resident.
 #pragma once
 
-#include "detail/receive_memory.hpp"
+#include "detail/receive_cache.hpp"
 
 #include <cstddef>
 
 namespace spbcast {
 
-inline constexpr std::size_t default_receive_cache_limit = detail::receive_memory::default_limit;
+inline constexpr std::size_t default_receive_cache_limit = detail::receive_cache::default_limit;
 
 struct receive_cache_stats {
     std::size_t limit_bytes;       // set_receive_cache_limit
@@ -27,11 +27,11 @@ struct receive_cache_stats {
 // Caps the memory kept between batches; 0 turns the cache off (every batch gets fresh memory)
 // and frees what it holds. Thread-safe; takes effect at once.
 inline void set_receive_cache_limit(std::size_t bytes) {
-    detail::receive_memory::instance().set_limit(bytes);
+    detail::receive_cache::instance().set_limit(bytes);
 }
 
 inline receive_cache_stats receive_cache_statistics() {
-    const auto s = detail::receive_memory::instance().statistics();
+    const auto s = detail::receive_cache::instance().statistics();
     return {s.limit_bytes, s.cached_bytes, s.blocks_reused, s.blocks_allocated};
 }
 

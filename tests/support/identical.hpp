@@ -25,56 +25,16 @@ inline std::vector<std::uint8_t> tensor_bits(const at::Tensor& t) {
 
 class identical_checker {
 public:
+    // Compares as T's kind says (spbcast/detail/kinds.hpp), through expect, require, check,
+    // tensor and ivalue below.
     template <class T>
     void check(const T& a, const T& b, const std::string& path = "batch") {
         using namespace spbcast::detail;
-        constexpr kind k = kind_v<T>;
-        if constexpr (k == kind::custom) {
-            check(spbcast::codec<T>::to_wire(a), spbcast::codec<T>::to_wire(b), path);
-        } else if constexpr (k == kind::tensor) {
-            tensor(a, b, path);
-        } else if constexpr (k == kind::ivalue) {
-            ivalue(a, b, path);
-        } else if constexpr (k == kind::floating) {
-            CHECK_MESSAGE(bool(std::memcmp(&a, &b, sizeof a) == 0), path);
-        } else if constexpr (k == kind::boolean || k == kind::integer || k == kind::enumeration ||
-                             k == kind::string) {
-            CHECK_MESSAGE(bool(a == b), path);
-        } else if constexpr (k == kind::optional) {
-            REQUIRE_MESSAGE(bool(a.has_value() == b.has_value()), path);
-            if (a.has_value()) check(*a, *b, path);
-        } else if constexpr (k == kind::variant) {
-            REQUIRE_MESSAGE(bool(a.index() == b.index()), path);
-            std::visit([&](const auto& x) {
-                check(x, std::get<std::remove_cvref_t<decltype(x)>>(b), path);
-            }, a);
-        } else if constexpr (k == kind::array || k == kind::sequence || k == kind::set ||
-                             k == kind::map) {
-            REQUIRE_MESSAGE(bool(a.size() == b.size()), path);
-            if constexpr (k == kind::map && !requires { typename T::key_compare; }) {
-                for (const auto& [key, value] : a) {
-                    REQUIRE_MESSAGE(bool(b.count(key) == 1), path);
-                    check(value, b.at(key), path + "[key]");
-                }
-            } else {
-                auto ib = b.begin();
-                std::size_t i = 0;
-                for (auto ia = a.begin(); ia != a.end(); ++ia, ++ib, ++i)
-                    check(static_cast<const typename T::value_type&>(*ia),
-                          static_cast<const typename T::value_type&>(*ib),
-                          path + "[" + std::to_string(i) + "]");
-            }
-        } else if constexpr (k == kind::tuple) {
-            [&]<std::size_t... I>(std::index_sequence<I...>) {
-                (check(std::get<I>(a), std::get<I>(b), path + "." + std::to_string(I)), ...);
-            }(std::make_index_sequence<std::tuple_size_v<T>>{});
-        } else if constexpr (k == kind::hana_struct || k == kind::aggregate) {
-            for_each_field_index<T>([&](auto index) {
-                constexpr std::size_t i = decltype(index)::value;
-                check(field<i>(a), field<i>(b), path + "." + std::to_string(i));
-            });
-        }
+        kind_traits<kind_v<T>>::compare(*this, a, b, path);
     }
+
+    void expect(bool same, const std::string& path) { CHECK_MESSAGE(same, path); }
+    void require(bool same, const std::string& path) { REQUIRE_MESSAGE(same, path); }
 
     // After check(): the tensors seen on each side must alias each other the same way.
     void check_structure() const {
@@ -96,9 +56,6 @@ public:
     }
 
     std::size_t tensors_checked() const { return root_.size(); }
-
-private:
-    static std::int64_t byte_offset(const at::Tensor& t) { return t.storage_offset() * t.element_size(); }
 
     void tensor(const at::Tensor& a, const at::Tensor& b, const std::string& path) {
         root_.push_back(a);
@@ -160,6 +117,9 @@ private:
         }
         CHECK_MESSAGE(bool(a == b), path);  // None, int, bool, string, int/double/bool lists
     }
+
+private:
+    static std::int64_t byte_offset(const at::Tensor& t) { return t.storage_offset() * t.element_size(); }
 
     std::vector<at::Tensor> root_, follower_;
     std::vector<std::string> paths_;

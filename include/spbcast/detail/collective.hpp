@@ -8,7 +8,9 @@
 #include "../error.hpp"
 #include "../group.hpp"
 #include "../options.hpp"
+#include "exception_text.hpp"
 #include "group_state.hpp"
+#include "quarantine.hpp"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -16,30 +18,12 @@
 #include <chrono>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <variant>
 #include <vector>
 
 namespace spbcast::detail {
-
-// Buffers of broadcasts that failed while possibly still in flight inside the backend. They
-// are kept alive until the process exits, so a late write by the backend can never land in
-// freed memory. Only failures put anything here.
-inline void quarantine(std::vector<at::Tensor> buffers) {
-    static std::mutex mutex;
-    static auto* kept = new std::vector<at::Tensor>();  // never destroyed: outlives backends
-    std::lock_guard<std::mutex> lock(mutex);
-    for (auto& b : buffers) kept->push_back(std::move(b));
-}
-
-// An exception's message for ours: c10's what() carries a stack trace, which would bury the
-// message every rank needs to read.
-inline std::string exception_text(const std::exception& e) {
-    if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
-    return e.what();
-}
 
 // Extra time on top of options.timeout before we stop waiting ourselves: the backend is given
 // the same timeout and normally reports first, with its own, more precise message.

@@ -1,5 +1,5 @@
 // A follower's side of a broadcast: receive and validate the frame, receive the payload into
-// its storages (receive_memory.hpp), rebuild the value. parse_frame and decode_value need no group, so
+// its storages (receive_cache.hpp), rebuild the value. parse_frame and decode_value need no group, so
 // the fuzz target drives them directly.
 #pragma once
 
@@ -10,7 +10,7 @@
 #include "collective.hpp"
 #include "frame.hpp"
 #include "same_host.hpp"
-#include "tensor_plan.hpp"
+#include "receive_plan.hpp"
 #include "value_codec.hpp"
 
 #include <ATen/ATen.h>

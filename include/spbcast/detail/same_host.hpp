@@ -15,10 +15,10 @@
 #include "bytes.hpp"
 #include "collective.hpp"
 #include "frame.hpp"
-#include "receive_memory.hpp"
+#include "receive_cache.hpp"
+#include "send_plan.hpp"
 #include "shm_allocator.hpp"
 #include "shm_channel.hpp"
-#include "tensor_plan.hpp"
 
 #include <ATen/ATen.h>
 

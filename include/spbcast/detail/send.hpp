@@ -9,7 +9,7 @@
 #include "collective.hpp"
 #include "frame.hpp"
 #include "same_host.hpp"
-#include "tensor_plan.hpp"
+#include "send_plan.hpp"
 #include "value_codec.hpp"
 
 #include <ATen/ATen.h>

@@ -1,9 +1,9 @@
-// Memory a follower receives tensor bytes into.
+// The receive cache behind ../receive_cache.hpp: the memory a follower receives tensor bytes
+// into.
 //
 // A follower writes every byte of a new batch once, into memory it has just allocated. With
 // fresh 4 KiB pages each page costs a fault plus the kernel zeroing it, and on loopback that
-// costs about as much as moving the bytes (bench/README.md: 31 % of a follower's time on a
-// 48 MiB batch). So storages of 2 MiB and more come from a process-wide cache of blocks that
+// costs about as much as moving the bytes (bench/README.md measures it). So storages of 2 MiB and more come from a process-wide cache of blocks that
 // dropped batches gave back - already mapped - and new blocks ask for transparent huge pages.
 // Small storages share their coalesced bucket instead of being copied out of it.
 #pragma once
@@ -72,7 +72,7 @@ inline at::Tensor byte_tensor_on(void* data, std::size_t nbytes, void* context,
 }
 
 // Thread-safe: the last reference to a storage may die on any thread (Gloo's among them).
-class receive_memory {
+class receive_cache {
 public:
     static constexpr std::size_t min_cached_bytes = std::size_t{2} << 20;  // smaller: at::empty
     static constexpr std::size_t block_rounding = std::size_t{64} << 10;
@@ -83,8 +83,8 @@ public:
     // stopped coming (variable-length batches).
     static constexpr std::uint64_t max_idle_batches = 1;
 
-    static receive_memory& instance() {
-        static auto* memory = new receive_memory();  // never destroyed: storages may outlive main
+    static receive_cache& instance() {
+        static auto* memory = new receive_cache();  // never destroyed: storages may outlive main
         return *memory;
     }
 
@@ -126,7 +126,7 @@ public:
         void* data = memory.get();
         mark_addressable(data, bytes, capacity);
         return byte_tensor_on(data, bytes, new block{std::move(memory), capacity},
-                              &receive_memory::release);
+                              &receive_cache::release);
     }
 
     void set_limit(std::size_t bytes) {
