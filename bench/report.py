@@ -161,6 +161,20 @@ def cell_key(r):
     return (r["profile"], r["micro_batches"], r["world_size"])
 
 
+def ok_row(r) -> bool:
+    return r is not None and r.get("status") == "ok"
+
+
+def fastest_peer(methods: dict) -> dict | None:
+    """The fastest Python peer of a cell; spbcast's own Python package is not a peer."""
+    peers = [r for n, r in methods.items() if r.get("impl") == "python" and ok_row(r) and n != "spbcast-py"]
+    return min(peers, key=lambda r: r["ms_median"]) if peers else None
+
+
+def cell_payload(methods: dict):
+    return next((r.get("payload_bytes") for r in methods.values() if r.get("payload_bytes")), None)
+
+
 def check_targets(rows: list[dict], bucket_bytes: int, max_in_flight: int = 2) -> list[dict]:
     """One entry per (target, cell) that the run can judge."""
     by = {}
@@ -202,11 +216,9 @@ def check_targets(rows: list[dict], bucket_bytes: int, max_in_flight: int = 2) -
                 sp["leader_extra_bytes"], f"RSS {fmt_bytes(sp['leader_extra_bytes'])}, tensors "
                 f"{fmt_bytes(sp.get('leader_tensor_extra_bytes'))} (budget {max_in_flight} x {fmt_bytes(bucket_bytes)})")
         if key[0] in MEDIA_PROFILES and key[2] == 4:
-            # spbcast's own Python package is not a peer; it is judged against the C++ path below.
-            peers = [m for name, m in methods.items()
-                     if m.get("impl") == "python" and m.get("status") == "ok" and name != "spbcast-py"]
-            if peers:
-                best = min(peers, key=lambda m: m["ms_median"])
+            # spbcast's own Python package is judged against the C++ path below.
+            best = fastest_peer(methods)
+            if best:
                 speedup = best["ms_median"] / sp["ms_median"]
                 raw = methods.get("raw")
                 bound = best["ms_median"] / raw["ms_median"] if raw and raw.get("status") == "ok" else None
@@ -231,7 +243,6 @@ def check_targets(rows: list[dict], bucket_bytes: int, max_in_flight: int = 2) -
 def check_same_host_targets(by: dict) -> list[dict]:
     """Issue 9's targets for the same-host methods, each method judged on its own."""
     checks = []
-    ok = lambda r: r is not None and r.get("status") == "ok"
     for name in SHM_METHODS:
         label = "same host" if name == "spbcast_shm" else "same host, leader allocates"
 
@@ -241,7 +252,7 @@ def check_same_host_targets(by: dict) -> list[dict]:
 
         for key, methods in sorted(by.items()):
             m = methods.get(name)
-            if not ok(m):
+            if not ok_row(m):
                 continue
             add("delivers the root's batch bit-exactly", key, m.get("correct") is True, m.get("correct"),
                 "spbcast::digest on every follower equals the root's")
@@ -254,10 +265,10 @@ def check_same_host_targets(by: dict) -> list[dict]:
             if key[0] == "text" and payload < 1 * MiB:
                 add("<= 1.0x raw (text under 1 MiB)", key, ratio <= 1.0, ratio, f"{ratio:.2f}x raw")
         for (profile, mb, world), methods in sorted(by.items()):
-            if world != 8 or not ok(methods.get(name)) or methods[name]["payload_bytes"] < 8 * MiB:
+            if world != 8 or not ok_row(methods.get(name)) or methods[name]["payload_bytes"] < 8 * MiB:
                 continue
             two = by.get((profile, mb, 2), {}).get(name)
-            if ok(two):
+            if ok_row(two):
                 growth = methods[name]["ms_median"] / two["ms_median"]
                 add("time at 8 ranks <= 1.3x the time at 2 (payload >= 8 MiB)", (profile, mb, world), growth <= 1.3,
                     growth, f"{fmt_ms(methods[name]['ms_median'])} ms at 8 vs {fmt_ms(two['ms_median'])} ms at 2 ({growth:.2f}x)")
@@ -347,18 +358,16 @@ def markdown(doc: dict) -> str:
     for key in sorted(by, key=lambda k: (profile_order(k[0]), k[1], k[2])):
         ms = by[key]
         sp, raw = ms.get("spbcast"), ms.get("raw")
-        ok = lambda r: r is not None and r.get("status") == "ok"
-        others = [r for n, r in ms.items() if n in ("naive", "coalesced") and ok(r)]
+        others = [r for n, r in ms.items() if n in ("naive", "coalesced") and ok_row(r)]
         best_other = min(others, key=lambda r: r["ms_median"]) if others else None
-        peers = [r for n, r in ms.items() if r.get("impl") == "python" and ok(r) and n != "spbcast-py"]
-        best_peer = min(peers, key=lambda r: r["ms_median"]) if peers else None
-        payload = next((r.get("payload_bytes") for r in ms.values() if r.get("payload_bytes")), None)
-        if not ok(sp):
+        best_peer = fastest_peer(ms)
+        payload = cell_payload(ms)
+        if not ok_row(sp):
             lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {fmt_bytes(payload)} | "
-                         f"{fmt_ms(raw['ms_median']) if ok(raw) else '-'} | {sp.get('status') if sp else '-'} | | | | | | | | |")
+                         f"{fmt_ms(raw['ms_median']) if ok_row(raw) else '-'} | {sp.get('status') if sp else '-'} | | | | | | | | |")
             continue
         lines.append(
-            f"| {key[0]} | {key[1]} | {key[2]} | {fmt_bytes(payload)} | {fmt_ms(raw['ms_median']) if ok(raw) else '-'} "
+            f"| {key[0]} | {key[1]} | {key[2]} | {fmt_bytes(payload)} | {fmt_ms(raw['ms_median']) if ok_row(raw) else '-'} "
             f"| {fmt_ms(sp['ms_median'])} | {sp['ratio_to_raw']:.2f} | "
             f"{sp['ratio_to_raw_fresh']:.2f} | {sp['collectives']} | "
             f"{fmt_bytes(sp['follower_extra_bytes'])} ({sp['follower_extra_per_payload']:.2f}x) "
@@ -378,18 +387,16 @@ def markdown(doc: dict) -> str:
         ]
         for key in sorted(by, key=lambda k: (profile_order(k[0]), k[1], k[2])):
             ms = by[key]
-            ok = lambda r: r is not None and r.get("status") == "ok"
             cols = []
             for name in ("spbcast",) + tuple(SHM_METHODS):
                 r = ms.get(name)
-                cols.append(f"{fmt_ms(r['ms_median'])} ({r['ratio_to_raw']:.2f}x)" if ok(r) and r.get("ratio_to_raw") else (r.get("status") if r else "-"))
-            peers = [r for n, r in ms.items() if r.get("impl") == "python" and ok(r) and n != "spbcast-py"]
-            best_peer = min(peers, key=lambda r: r["ms_median"]) if peers else None
-            payload = next((r.get("payload_bytes") for r in ms.values() if r.get("payload_bytes")), None)
+                cols.append(f"{fmt_ms(r['ms_median'])} ({r['ratio_to_raw']:.2f}x)" if ok_row(r) and r.get("ratio_to_raw") else (r.get("status") if r else "-"))
+            best_peer = fastest_peer(ms)
+            payload = cell_payload(ms)
             raw = ms.get("raw")
-            colls = " / ".join(str(ms[n]["collectives"]) if ok(ms.get(n)) else "-" for n in ("spbcast", "spbcast_shm"))
-            correct = ", ".join(str(ms[n].get("correct")) if ok(ms.get(n)) else "-" for n in ("spbcast",) + tuple(SHM_METHODS))
-            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {fmt_bytes(payload)} | {fmt_ms(raw['ms_median']) if ok(raw) else '-'} | "
+            colls = " / ".join(str(ms[n]["collectives"]) if ok_row(ms.get(n)) else "-" for n in ("spbcast", "spbcast_shm"))
+            correct = ", ".join(str(ms[n].get("correct")) if ok_row(ms.get(n)) else "-" for n in ("spbcast",) + tuple(SHM_METHODS))
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {fmt_bytes(payload)} | {fmt_ms(raw['ms_median']) if ok_row(raw) else '-'} | "
                          + " | ".join(cols) + f" | {colls} | "
                          + (f"{best_peer['method']} {fmt_ms(best_peer['ms_median'])}" if best_peer else "-") + f" | {correct} |")
         lines.append("")
