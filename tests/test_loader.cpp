@@ -71,6 +71,7 @@ TEST_CASE("a bad configuration is the same clear error on every rank, before any
         for (int rank = 0; rank < 2; ++rank) {
             REQUIRE(errors[rank]);
             const std::string message = message_of(errors[rank]);
+            INFO(message);
             CHECK(message.find(c.expect) != std::string::npos);
             CHECK(message.find("rank " + std::to_string(rank)) != std::string::npos);
             CHECK(collectives[rank] == 0);

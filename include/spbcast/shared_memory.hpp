@@ -30,8 +30,9 @@ struct shared_memory_stats {
 // holds one copy of the batch. Open it around the code that builds the batch on the root (the
 // collate function, or each loader worker thread); anywhere else the tensors are ordinary
 // memory. The first scope puts spbcast's allocator in front of the CPU allocator in use then
-// (c10::SetCPUAllocator), which keeps serving every allocation outside a scope: install a CPU
-// allocator of your own before it. Scopes nest; each restores the previous one's setting.
+// (c10::SetCPUAllocator, at that allocator's priority), which keeps serving every allocation
+// outside a scope; a CPU allocator installed later must call the one it replaces for the scope
+// to keep working. Scopes nest; each restores the previous one's setting.
 class shared_memory_scope {
 public:
     explicit shared_memory_scope(std::size_t min_bytes = std::size_t{1} << 20)

@@ -102,12 +102,15 @@ private:
 };
 
 // Installed once, on the first scope, in front of the allocator in use then, which it calls
-// for everything outside a scope. At the highest priority: an allocator installed earlier with
-// a priority of its own (a counting or pinned one) keeps serving those allocations.
+// for everything outside a scope. At that allocator's own priority, which c10 does not tell:
+// the lowest that c10 accepts is it. So an allocator installed later at that priority or above
+// (a test's failing allocator, a counting one) still goes in front of this one, as it would
+// have gone in front of the one this wraps.
 inline void install_shared_memory_allocator() {
     static const bool installed = [] {
         auto* mine = new shared_memory_allocator(c10::GetCPUAllocator());  // never destroyed: storages outlive main
-        c10::SetCPUAllocator(mine, std::numeric_limits<std::uint8_t>::max());
+        for (int priority = 0; c10::GetCPUAllocator() != mine && priority <= std::numeric_limits<std::uint8_t>::max(); ++priority)
+            c10::SetCPUAllocator(mine, static_cast<std::uint8_t>(priority));
         return true;
     }();
     (void)installed;
