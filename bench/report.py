@@ -161,6 +161,11 @@ def cell_key(r):
     return (r["profile"], r["micro_batches"], r["world_size"])
 
 
+def cell_order(key):
+    """Cells in the order the tables list them: profile, then micro-batches, then ranks."""
+    return (profile_order(key[0]), key[1], key[2])
+
+
 def ok_row(r) -> bool:
     return r is not None and r.get("status") == "ok"
 
@@ -314,6 +319,11 @@ def check_memory_targets(rows: list[dict]) -> list[dict]:
             for r in rows if r["arm"] in bounds]
 
 
+def all_targets(rows: list[dict], bucket_bytes: int, memory: list[dict]) -> list[dict]:
+    """Every target a run judges: per cell from the grid, and the group-memory runs'."""
+    return check_targets(rows, bucket_bytes) + check_memory_targets(memory)
+
+
 # ---------------------------------------------------------------------------------------------
 # Output
 
@@ -355,7 +365,7 @@ def markdown(doc: dict) -> str:
         "| profile | mb | ranks | payload | raw ms | spbcast ms | x raw | x raw_fresh | colls | follower extra RSS (tensors) | leader extra RSS (tensors) | best C++ other | fastest Python peer | spbcast speed-up |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for key in sorted(by, key=lambda k: (profile_order(k[0]), k[1], k[2])):
+    for key in sorted(by, key=cell_order):
         ms = by[key]
         sp, raw = ms.get("spbcast"), ms.get("raw")
         others = [r for n, r in ms.items() if n in ("naive", "coalesced") and ok_row(r)]
@@ -385,7 +395,7 @@ def markdown(doc: dict) -> str:
             "| profile | mb | ranks | payload | raw ms | network ms (x raw) | same host ms (x raw) | same host, leader allocates ms (x raw) | colls net / same host | fastest Python peer ms | correct |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for key in sorted(by, key=lambda k: (profile_order(k[0]), k[1], k[2])):
+        for key in sorted(by, key=cell_order):
             ms = by[key]
             cols = []
             for name in ("spbcast",) + tuple(SHM_METHODS):
@@ -408,7 +418,7 @@ def markdown(doc: dict) -> str:
         gm = {}
         for r in doc["group_memory"]:
             gm.setdefault((r["profile"], r["micro_batches"], r["world_size"]), {})[r["arm"]] = r["ratio"]
-        for key in sorted(gm, key=lambda k: (profile_order(k[0]), k[1], k[2])):
+        for key in sorted(gm, key=cell_order):
             cell = gm[key]
             lines.append(f"| {key[0]} | {key[1]} | {key[2]} | "
                          + " | ".join(f"{cell[a]:.2f}x" if cell.get(a) is not None else "-"
@@ -563,7 +573,7 @@ def main(argv=None):
     if args.render_only:
         out = pathlib.Path(args.out or BENCH.parent / "build/bench-results/full").resolve()
         doc = json.loads((out / "results.json").read_text())
-        doc["targets"] = check_targets(doc["rows"], doc["cpp"]["config"]["bucket_bytes"])
+        doc["targets"] = all_targets(doc["rows"], doc["cpp"]["config"]["bucket_bytes"], doc.get("group_memory", []))
         if (out / "compile_cost.md").exists():
             doc["compile"] = (out / "compile_cost.md").read_text()
         (out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
@@ -656,7 +666,7 @@ def main(argv=None):
         "python": {k: v for k, v in py.items() if k != "results"} if py else None,
         "rows": rows,
         "group_memory": memory,
-        "targets": check_targets(rows, cpp["config"]["bucket_bytes"]) + check_memory_targets(memory),
+        "targets": all_targets(rows, cpp["config"]["bucket_bytes"], memory),
         "compile": compile_md,
     }
     (out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
