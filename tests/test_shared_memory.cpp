@@ -1,6 +1,7 @@
 // The same-host path (include/spbcast/detail/shm_*.hpp, same_host.hpp): real processes over a
 // real Gloo group on 127.0.0.1 (tests/shm_worker.cpp), real SIGKILLs, real descriptors; and
 // the follower's checks of a segment it is handed, over a real socket.
+#include "support/fixtures.hpp"
 #include "support/processes.hpp"
 #include "support/ranks.hpp"
 
@@ -119,8 +120,8 @@ TEST_CASE("shared memory: SIGKILL of any rank at random points; survivors raise 
     CHECK_MESSAGE(shmem_back_to(baseline, 4096), "Shmem " << shmem_kib() << " KiB, baseline " << baseline);
 }
 
-TEST_CASE("shared memory: 10 000 broadcasts keep descriptors and memory flat") {
-    const int rounds = std::getenv("SPBCAST_SHM_SOAK_ROUNDS") ? std::atoi(std::getenv("SPBCAST_SHM_SOAK_ROUNDS")) : 10000;
+TEST_CASE("shared memory: a soak of SPBCAST_SOAK_STEPS broadcasts keeps descriptors and memory flat") {
+    const auto rounds = spbcast_test::soak_steps();
     const auto results = spbcast_test::run_processes(
         worker(), 3, [&](int) { return std::vector<std::string>{"soak", std::to_string(rounds)}; }, 600s);
     require_all_ok(results);

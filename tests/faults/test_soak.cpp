@@ -4,9 +4,9 @@
 // trees, a random root and random options per step. Every follower's value must be identical
 // to the root's, and the process's resident memory must not grow once warm.
 //
-// SPBCAST_SOAK_STEPS sets the number of broadcasts (default 1000: about 10 s on two cores, so
-// the suite stays fast; the 10 000 is `SPBCAST_SOAK_STEPS=10000`, about 100 s).
+// SPBCAST_SOAK_STEPS sets the number of broadcasts (support/fixtures.hpp: soak_steps);
 // SPBCAST_SOAK_SEED changes the batches.
+#include "support/fixtures.hpp"
 #include "support/identical.hpp"
 #include "support/ranks.hpp"
 
@@ -258,7 +258,7 @@ std::uint64_t env_number(const char* name, std::uint64_t fallback) {
 TEST_SUITE("soak") {
 
 TEST_CASE("soak: random batches across 4 ranks arrive identical, and memory stays flat") {
-    const std::uint64_t steps = soak::env_number("SPBCAST_SOAK_STEPS", 1000);
+    const std::uint64_t steps = spbcast_test::soak_steps();
     const std::uint64_t seed = soak::env_number("SPBCAST_SOAK_SEED", 20251129);
     constexpr int world = 4;
     std::vector<std::pair<std::uint64_t, double>> rss;  // (step, MiB) at checkpoints, rank 0

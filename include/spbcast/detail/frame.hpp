@@ -81,7 +81,10 @@ inline std::size_t trailer_bytes(std::uint32_t slot_count, std::uint32_t flags) 
 inline std::uint64_t trailer_checksum(const void* trailer, std::size_t size) {
     std::vector<std::uint8_t> bytes(static_cast<const std::uint8_t*>(trailer),
                                     static_cast<const std::uint8_t*>(trailer) + size);
-    std::memset(bytes.data() + offsetof(trailer_head, checksum), 0, sizeof(std::uint64_t));
+    // Every trailer is longer (trailer_bytes); the check tells GCC too, which otherwise warns
+    // that the write might overflow an empty vector.
+    if (bytes.size() >= sizeof(trailer_head))
+        std::memset(bytes.data() + offsetof(trailer_head, checksum), 0, sizeof(std::uint64_t));
     return checksum64(bytes.data(), bytes.size());
 }
 
