@@ -4,6 +4,7 @@
 # time, starting from a seed corpus of valid frames recorded from real broadcasts.
 #
 #   ./scripts/fuzz.sh [seconds]          default 120 (SPBCAST_FUZZ_SECONDS)
+#   ./scripts/fuzz.sh --build            only configure and build the fuzz target
 #
 # Tree build/fuzz (clang++, the PyTorch wheel's LibTorch by default, see below). The corpus grows in
 # build/fuzz/corpus across runs; findings land in build/fuzz/artifacts/ and the script fails.
@@ -44,6 +45,7 @@ cmake -S . -B build/fuzz -DCMAKE_CXX_COMPILER="$CXX_FUZZ" -DCMAKE_BUILD_TYPE=Rel
       -DSPBCAST_BUILD_EXAMPLES=OFF -DSPBCAST_BUILD_BENCH=OFF > build-fuzz.configure.log 2>&1 \
     || { cat build-fuzz.configure.log; exit 1; }
 cmake --build build/fuzz -j"$JOBS" --target spbcast_fuzz_frames spbcast_fuzz_seeds
+[ "$seconds" != --build ] || exit 0
 
 mkdir -p build/fuzz/corpus build/fuzz/artifacts
 rm -rf build/fuzz/seeds

@@ -6,6 +6,7 @@
 #
 #   ./scripts/sanitize.sh                 build and run the test programs
 #   ./scripts/sanitize.sh -R faults       extra arguments go to ctest
+#   ./scripts/sanitize.sh --build         only configure and build
 #
 # What runs: every ctest that executes spbcast code - spbcast_tests and the fault suites
 # (tests/faults) - with their worker programs. Not run here: the compile-only checks
@@ -46,6 +47,7 @@ else
     cmake --build build/asan -j"$JOBS" --target spbcast_tests spbcast_fault_tests
     selection=(-R '^(spbcast_tests|spbcast_faults_)' -E 'netns')
 fi
+[ "${1:-}" != --build ] || exit 0
 
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:strict_string_checks=1:detect_stack_use_after_return=0}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"

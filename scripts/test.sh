@@ -6,34 +6,70 @@
 #   ./scripts/test.sh system       only the distribution's LibTorch
 #   ./scripts/test.sh wheel        only the wheel
 #   ./scripts/test.sh python       only the Python package
+#   ./scripts/test.sh --build GEN  only configure and build GEN's tree (system or wheel)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh  # installs what is missing; seconds when everything is there
 
 VENV="${SPBCAST_VENV:-$HOME/.cache/spbcast/venv}"
 # Lets ccache reuse objects between clones in different folders (CI builds a fresh clone).
 export CCACHE_BASEDIR="$PWD"
 JOBS="${SPBCAST_JOBS:-2}"
+
+build() {
+    local torch_dir
+    case "$1" in
+        system) torch_dir="$(dirname "$(find /usr/lib -path '*cmake/Torch/TorchConfig.cmake' | head -1)")" ;;
+        wheel) torch_dir="$("$VENV/bin/python" -c 'import torch, os; print(os.path.join(os.path.dirname(torch.__file__), "share/cmake/Torch"))')" ;;
+        *) echo "unknown generation '$1' (system, wheel, python)"; exit 2 ;;
+    esac
+    echo "=== spbcast: $1 LibTorch ($torch_dir)"
+    cmake -S . -B "build/$1" -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$torch_dir" \
+          -DSPBCAST_PYTHON="$VENV/bin/python" > "build-$1.configure.log" 2>&1 \
+        || { cat "build-$1.configure.log"; exit 1; }
+    grep "spbcast:" "build-$1.configure.log"
+    cmake --build "build/$1" -j"$JOBS"
+}
+if [ "${1:-}" = "--build" ]; then
+    build "$2"
+    exit
+fi
+
+./scripts/setup.sh  # installs what is missing; seconds when everything is there
 generations=("${@:-system wheel python}")
 generations=(${generations[*]})
 
-for gen in "${generations[@]}"; do
+# While one generation's tests run, the next generation's tree builds at the lowest nice level:
+# it takes the CPU that the tests leave free - they mostly wait on sockets, processes and
+# timeouts - and next to nothing while they compute, so it cannot slow a timed test. Its output
+# goes to build-<gen>.log.
+background=""
+trap '[ -z "$background" ] || kill -- "-${background##*:}" 2>/dev/null || true' EXIT
+for i in "${!generations[@]}"; do
+    gen="${generations[$i]}"
     case "$gen" in
-        system) torch_dir="$(dirname "$(find /usr/lib -path '*cmake/Torch/TorchConfig.cmake' | head -1)")" ;;
-        python)
-            echo "=== spbcast: Python package ($VENV)"
-            SPBCAST_VENV="$VENV" ./scripts/python_package.sh
-            # From the repository root, so that `import spbcast` finds the installed package.
-            "$VENV/bin/python" -m pytest -q python/tests
-            continue ;;
-        wheel) torch_dir="$("$VENV/bin/python" -c 'import torch, os; print(os.path.join(os.path.dirname(torch.__file__), "share/cmake/Torch"))')" ;;
+        system|wheel)
+            if [ "${background%%:*}" = "$gen" ]; then
+                echo "=== spbcast: waiting for the $gen build (build-$gen.log)"
+                wait "${background##*:}" || { cat "build-$gen.log"; exit 1; }
+                background=""
+                grep "spbcast:" "build-$gen.log"
+            else
+                build "$gen"
+            fi ;;
+        python) ;;
         *) echo "unknown generation '$gen' (system, wheel, python)"; exit 2 ;;
     esac
-    echo "=== spbcast: $gen LibTorch ($torch_dir)"
-    cmake -S . -B "build/$gen" -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$torch_dir" \
-          -DSPBCAST_PYTHON="$VENV/bin/python" > "build-$gen.configure.log" 2>&1 \
-        || { cat "build-$gen.configure.log"; exit 1; }
-    grep "spbcast:" "build-$gen.configure.log"
-    cmake --build "build/$gen" -j"$JOBS"
-    (cd "build/$gen" && ctest --output-on-failure --timeout 900)
+    next="${generations[$((i + 1))]:-}"
+    if [ "$next" = system ] || [ "$next" = wheel ]; then
+        setsid nice -n 19 ./scripts/test.sh --build "$next" > "build-$next.log" 2>&1 &
+        background="$next:$!"
+    fi
+    if [ "$gen" = python ]; then
+        echo "=== spbcast: Python package ($VENV)"
+        SPBCAST_VENV="$VENV" ./scripts/python_package.sh
+        # From the repository root, so that `import spbcast` finds the installed package.
+        "$VENV/bin/python" -m pytest -q python/tests
+    else
+        (cd "build/$gen" && ctest --output-on-failure --timeout 900)
+    fi
 done
