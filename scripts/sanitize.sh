@@ -53,4 +53,6 @@ export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:strict_stri
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 export SPBCAST_SOAK_STEPS="${SPBCAST_SOAK_STEPS:-200}"
 echo "=== ASAN_OPTIONS=$ASAN_OPTIONS UBSAN_OPTIONS=$UBSAN_OPTIONS SPBCAST_SOAK_STEPS=$SPBCAST_SOAK_STEPS"
-(cd build/asan && ctest --output-on-failure --timeout 1800 "${selection[@]}" "$@")
+# Two suites at a time: one rarely keeps both cores busy; those that time how soon a rank
+# raises run alone (RUN_SERIAL).
+(cd build/asan && ctest --output-on-failure --timeout 1800 -j"$JOBS" "${selection[@]}" "$@")
