@@ -50,8 +50,6 @@ for i in "${!generations[@]}"; do
         system|wheel)
             if [ "${background%%:*}" = "$gen" ]; then
                 echo "=== spbcast: waiting for the $gen build (build-$gen.log)"
-                # Nothing to protect now: back to the normal priority (only root may raise it).
-                renice -n 0 -g "${background##*:}" > /dev/null 2>&1 || true
                 wait "${background##*:}" || { cat "build-$gen.log"; exit 1; }
                 background=""
                 grep "spbcast:" "build-$gen.log"
