@@ -248,18 +248,13 @@ double rss_mib() {
     return static_cast<double>(resident) * static_cast<double>(::sysconf(_SC_PAGESIZE)) / (1 << 20);
 }
 
-std::uint64_t env_number(const char* name, std::uint64_t fallback) {
-    const char* v = std::getenv(name);
-    return v && *v ? std::stoull(v) : fallback;
-}
-
 }  // namespace soak
 
 TEST_SUITE("soak") {
 
 TEST_CASE("soak: random batches across 4 ranks arrive identical, and memory stays flat") {
     const std::uint64_t steps = spbcast_test::soak_steps();
-    const std::uint64_t seed = soak::env_number("SPBCAST_SOAK_SEED", 20251129);
+    const std::uint64_t seed = spbcast_test::env_number("SPBCAST_SOAK_SEED", 20251129);
     constexpr int world = 4;
     std::vector<std::pair<std::uint64_t, double>> rss;  // (step, MiB) at checkpoints, rank 0
     std::vector<std::uint64_t> tensors_checked(world, 0);

@@ -13,12 +13,15 @@
 
 namespace spbcast_test {
 
+// A number from the environment, or `fallback` where the variable is unset or empty.
+inline std::uint64_t env_number(const char* name, std::uint64_t fallback) {
+    const char* v = std::getenv(name);
+    return v && *v ? std::stoull(v) : fallback;
+}
+
 // How many broadcasts a soak test runs: SPBCAST_SOAK_STEPS, 1000 by default so that the suite
 // stays fast on two cores; CI's soak step runs 10 000.
-inline std::uint64_t soak_steps() {
-    const char* steps = std::getenv("SPBCAST_SOAK_STEPS");
-    return steps && *steps ? std::stoull(steps) : 1000;
-}
+inline std::uint64_t soak_steps() { return env_number("SPBCAST_SOAK_STEPS", 1000); }
 
 // A dynamic batch built like a Python dict, with every IValue kind the wire carries - tensors,
 // int, double (-0.0 too), bool, string, None, int/double/bool/tensor lists, a generic list
