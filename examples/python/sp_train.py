@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import hashlib
 import os
+import sys
 from typing import List, Optional
 
 import torch
@@ -97,9 +98,12 @@ def main():
         digest(batch, h)
         torch.rand(8)  # the model step's own random draws (dropout, ...)
     h.update(torch.get_rng_state().numpy().tobytes())
-    print(f"rank {rank} (SP group {dp_rank}, SP rank {dist.get_rank(sp_group)}): "
-          f"{loader.step} steps, {loader.epoch} epochs, loader built here: "
-          f"{loader.loader is not None}, digest {h.hexdigest()[:16]}", flush=True)
+    # One write per line: the ranks share torchrun's stdout, and an unbuffered print() writes
+    # the line and its end separately, so another rank's line could land in between.
+    sys.stdout.write(f"rank {rank} (SP group {dp_rank}, SP rank {dist.get_rank(sp_group)}): "
+                     f"{loader.step} steps, {loader.epoch} epochs, loader built here: "
+                     f"{loader.loader is not None}, digest {h.hexdigest()[:16]}\n")
+    sys.stdout.flush()
 
     # spbcast.broadcast on its own: a tree of supported values, from any global rank.
     info = spbcast.broadcast({"from": rank, "note": b"\x00bytes"} if rank == world - 1 else None,
