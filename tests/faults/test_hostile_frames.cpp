@@ -102,7 +102,7 @@ std::uint64_t allocation_bound(const spbcast::options& o) {
 }
 
 template <class T>
-replay_result checked_replay(const std::vector<std::vector<std::uint8_t>>& messages,
+replay_result checked_replay(const message_list& messages,
                              const spbcast::options& opts = hostile_opts()) {
     auto& counter = allocations();
     counter.reset();
@@ -149,7 +149,7 @@ Tensors varied_tensors() {
 struct seed {
     std::string name;
     std::vector<std::vector<std::uint8_t>> messages;
-    std::function<replay_result(const std::vector<std::vector<std::uint8_t>>&)> replay;
+    std::function<replay_result(const message_list&)> replay;
 };
 
 std::vector<seed> seeds() {
@@ -221,14 +221,10 @@ TEST_CASE("truncated frame bodies (re-signed, as a hostile root would) raise spb
     for (const auto& s : seeds()) {
         CAPTURE(s.name);
         const frame_parts whole = split_frame(s.messages);
-        const std::size_t payload_from = frame_message_count(s.messages);
         for (std::size_t len = 0; len < whole.body.size(); ++len) {
             frame_parts cut = whole;
             cut.body.resize(len);
-            auto messages = join_frame(cut);
-            messages.insert(messages.end(), s.messages.begin() + static_cast<std::ptrdiff_t>(payload_from),
-                            s.messages.end());
-            const auto r = s.replay(messages);
+            const auto r = s.replay(message_list(join_frame(cut), s.messages));
             CAPTURE(len);
             CHECK_SPBCAST_ERROR(r);
         }
@@ -277,17 +273,12 @@ TEST_CASE("bit flips and byte smashes in re-signed frame bodies: accepted or spb
     for (const auto& s : seeds()) {
         CAPTURE(s.name);
         const frame_parts whole = split_frame(s.messages);
-        const std::size_t payload_from = frame_message_count(s.messages);
-        auto with_payload = [&](std::vector<std::vector<std::uint8_t>> frame) {
-            frame.insert(frame.end(), s.messages.begin() + static_cast<std::ptrdiff_t>(payload_from), s.messages.end());
-            return frame;
-        };
         // every byte set to 0x00, 0xff and 0x80 in turn
         for (std::size_t at = 0; at < whole.body.size(); ++at) {
             for (std::uint8_t v : {std::uint8_t{0}, std::uint8_t{0xff}, std::uint8_t{0x80}}) {
                 frame_parts bad = whole;
                 bad.body[at] = v;
-                const auto r = s.replay(with_payload(join_frame(bad)));
+                const auto r = s.replay(message_list(join_frame(bad), s.messages));
                 CAPTURE(at);
                 CAPTURE(int(v));
                 CHECK_NOT_OTHER(r);
@@ -301,7 +292,7 @@ TEST_CASE("bit flips and byte smashes in re-signed frame bodies: accepted or spb
                 const std::size_t bit = rng() % (8 * bad.body.size());
                 bad.body[bit / 8] ^= static_cast<std::uint8_t>(1u << (bit % 8));
             }
-            const auto r = s.replay(with_payload(join_frame(bad)));
+            const auto r = s.replay(message_list(join_frame(bad), s.messages));
             CAPTURE(i);
             CHECK_NOT_OTHER(r);
         }

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <typeinfo>
@@ -107,14 +108,40 @@ public:
     std::vector<std::vector<std::uint8_t>> messages;
 };
 
+// How many leading messages of a recording are the frame.
+inline std::size_t frame_message_count(const std::vector<std::vector<std::uint8_t>>& messages) {
+    spbcast::detail::frame_header header;
+    std::memcpy(&header, messages.at(0).data(), sizeof header);
+    return header.body_bytes > spbcast::detail::inline_body_bytes ? 2 : 1;
+}
+
+// The messages to replay, as views of the caller's buffers: a test puts thousands of changed
+// frames in front of one recording's payload (megabytes), which copying would dominate.
+class message_list {
+public:
+    using messages = std::vector<std::vector<std::uint8_t>>;
+    message_list(const messages& all) { append(all, 0); }  // NOLINT: implicit on purpose
+    // The messages of `frame`, then the payload that follows the frame of `recording`.
+    message_list(const messages& frame, const messages& recording) {
+        append(frame, 0);
+        append(recording, frame_message_count(recording));
+    }
+    const std::vector<std::span<const std::uint8_t>>& views() const { return views_; }
+
+private:
+    void append(const messages& from, std::size_t first) {
+        for (std::size_t i = first; i < from.size(); ++i) views_.emplace_back(from[i]);
+    }
+    std::vector<std::span<const std::uint8_t>> views_;
+};
+
 // A follower of a two-rank group whose "network" delivers recorded messages in order. A
 // receive whose size differs from the next message, or past the last one, fails the way a
 // transport fails (std::runtime_error from broadcast()), which spbcast reports as a
 // transport_error.
 class replay_group {
 public:
-    explicit replay_group(std::vector<std::vector<std::uint8_t>> messages)
-        : messages_(std::move(messages)) {}
+    explicit replay_group(const message_list& messages) : messages_(messages.views()) {}
     replay_group(const replay_group&) = delete;
     ~replay_group() { spbcast::forget_group(*this); }
     int getRank() const { return 1; }
@@ -131,10 +158,9 @@ public:
         if (want != 0) std::memcpy(t.data_ptr(), m.data(), want);
         return {};
     }
-    std::size_t consumed() const { return next_; }
 
 private:
-    std::vector<std::vector<std::uint8_t>> messages_;
+    std::vector<std::span<const std::uint8_t>> messages_;
     std::size_t next_ = 0;
 };
 
@@ -184,13 +210,6 @@ inline std::vector<std::vector<std::uint8_t>> join_frame(frame_parts parts, bool
     return out;
 }
 
-// How many leading messages of a recording are the frame.
-inline std::size_t frame_message_count(const std::vector<std::vector<std::uint8_t>>& messages) {
-    spbcast::detail::frame_header header;
-    std::memcpy(&header, messages.at(0).data(), sizeof header);
-    return header.body_bytes > spbcast::detail::inline_body_bytes ? 2 : 1;
-}
-
 // What a follower did with a replayed (possibly hostile) recording.
 enum class outcome { ok, spbcast_error, other_exception };
 
@@ -201,9 +220,8 @@ struct replay_result {
 };
 
 template <class T>
-replay_result replay(std::vector<std::vector<std::uint8_t>> messages, const spbcast::options& opts = {},
-                     T* out = nullptr) {
-    replay_group follower(std::move(messages));
+replay_result replay(const message_list& messages, const spbcast::options& opts = {}, T* out = nullptr) {
+    replay_group follower(messages);
     T value{};
     replay_result r;
     try {
