@@ -4,8 +4,15 @@
 # libjpeg-turbo (the demo), and the PyTorch 2.13.0 CPU wheel in a virtual environment (the
 # second LibTorch generation, and the Python peers of the benchmarks).
 # Idempotent: a second run checks and returns in seconds.
+#   ./scripts/setup.sh                       everything
+#   ./scripts/setup.sh --no-python-package   all but the Python package (.ci/run: test.sh builds
+#                                            it, on one core, while the other builds a tree)
 set -euo pipefail
 
+case "${1:-}" in
+    "" | --no-python-package) ;;
+    *) echo "setup: unknown option '$1' (the one option: --no-python-package)"; exit 2 ;;
+esac
 VENV="${SPBCAST_VENV:-$HOME/.cache/spbcast/venv}"
 TORCH_WHEEL_VERSION="2.13.0"
 DEBIAN_PACKAGES=(build-essential cmake ccache pkg-config python3 python3-venv
@@ -41,5 +48,5 @@ if ! "$VENV/bin/python" -c "import numpy, matplotlib, tensordict" 2>/dev/null; t
 fi
 echo "setup: PyTorch wheel $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') in $VENV"
 # The Python package (python/) and pytest for its tests, into the same environment.
-SPBCAST_VENV="$VENV" "$(dirname "$0")/python_package.sh"
+[ "${1:-}" = --no-python-package ] || SPBCAST_VENV="$VENV" "$(dirname "$0")/python_package.sh"
 echo "setup: done"
