@@ -38,15 +38,24 @@ if [ ! -x "$VENV/bin/python" ]; then
     echo "setup: creating $VENV"
     python3 -m venv "$VENV"
 fi
-if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_WHEEL_VERSION')" 2>/dev/null; then
+# A package's installed version from its metadata, empty if absent (importing torch to ask
+# would take seconds, on every run of every script that starts here).
+version_of() {
+    "$VENV/bin/python" -c 'import importlib.metadata as m, sys
+try: print(m.version(sys.argv[1]))
+except m.PackageNotFoundError: pass' "$1"
+}
+torch_version="$(version_of torch)"
+if [ "${torch_version%%+*}" != "$TORCH_WHEEL_VERSION" ]; then
     echo "setup: installing torch==$TORCH_WHEEL_VERSION (CPU) into $VENV"
     "$VENV/bin/pip" install -q "torch==$TORCH_WHEEL_VERSION"
+    torch_version="$(version_of torch)"
 fi
 # numpy and matplotlib for plots; tensordict is one of the Python peers the benchmarks measure.
-if ! "$VENV/bin/python" -c "import numpy, matplotlib, tensordict" 2>/dev/null; then
+if [ -z "$(version_of numpy)" ] || [ -z "$(version_of matplotlib)" ] || [ -z "$(version_of tensordict)" ]; then
     "$VENV/bin/pip" install -q numpy matplotlib "tensordict==0.15.3"
 fi
-echo "setup: PyTorch wheel $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') in $VENV"
+echo "setup: PyTorch wheel $torch_version in $VENV"
 # The Python package (python/) and pytest for its tests, into the same environment.
 [ "${1:-}" = --no-python-package ] || SPBCAST_VENV="$VENV" "$(dirname "$0")/python_package.sh"
 echo "setup: done"
