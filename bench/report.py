@@ -38,7 +38,6 @@ import pathlib
 import platform
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -284,28 +283,26 @@ def group_memory(shm_worker: pathlib.Path, profiles: list[str], micro_batches: i
                  out: pathlib.Path, timeout: float) -> list[dict]:
     """Group memory while a batch is alive - the sum of every rank's Pss_Anon change plus the change
     in the host's Shmem, over the payload - for the network path, the same-host path and the
-    same-host path with the leader allocating in shared memory (tests/shm_worker.cpp)."""
+    same-host path with the leader allocating in shared memory (tests/shm_worker.cpp). The worker
+    starts its own ranks (`ranks`, the test kit's launcher): it hosts their store on a port the
+    kernel picks, where a port found by binding and closing could be taken before rank 0 binds it."""
     rows = []
     for profile in profiles:
         for world in worlds:
             for arm, extra in (("network", ["network"]), ("same host", ["auto"]),
                                ("same host, leader allocates", ["auto", "leader_allocates"])):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    port = s.getsockname()[1]
                 log = out / f"group-memory-{profile}-{world}-{extra[-1]}.log"
-                procs = []
+                cmd = [str(shm_worker), "ranks", str(world), "group_memory", profile, str(micro_batches)] + extra
                 with open(log, "w") as f:
-                    for rank in range(world):
-                        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-                        procs.append(subprocess.Popen([str(shm_worker), "group_memory", profile, str(micro_batches)] + extra,
-                                                      env=env, stdout=f if rank == 0 else subprocess.DEVNULL, stderr=f))
-                    codes = [p.wait(timeout=timeout) for p in procs]
-                found = re.search(r"([0-9.]+)x the payload", log.read_text())
+                    try:
+                        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+                    except subprocess.TimeoutExpired:
+                        code = None
+                text = log.read_text()
+                found = re.search(r"^.*?([0-9.]+)x the payload.*$", text, re.M)  # rank 0's result line
                 rows.append({"profile": profile, "micro_batches": micro_batches, "world_size": world, "arm": arm,
-                             "ratio": float(found.group(1)) if found and not any(codes) else None,
-                             "line": log.read_text().strip().splitlines()[-1] if log.read_text().strip() else ""})
+                             "ratio": float(found.group(1)) if found and code == 0 else None,
+                             "line": found.group(0) if found else (text.strip().splitlines() or [""])[-1]})
                 print(f"  group memory {profile} mb={micro_batches} ws={world} {arm}: {rows[-1]['ratio']}", file=sys.stderr)
     return rows
 

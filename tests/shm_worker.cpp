@@ -23,6 +23,9 @@
 //       prints the group's memory while a batch is alive (sum of Pss_Anon + change in Shmem).
 //   spbcast_shm_worker soak <rounds>
 //       many small and mid-sized batches; descriptor count and memory must stay flat.
+//   spbcast_shm_worker ranks <world> <mode> <arguments...>
+//       starts <world> ranks of this program in <mode> on a store of their own (the test kit's
+//       launcher, for bench/report.py), prints rank 0's output, fails if a rank failed.
 #include "profiles.hpp"
 #include "support/processes.hpp"
 
@@ -550,6 +553,20 @@ int soak(char** argv) {
 
 }  // namespace
 
+int launch_ranks(int argc, char** argv) {
+    const int world = std::stoi(argv[2]);
+    const std::vector<std::string> args(argv + 3, argv + argc);
+    const auto results = spbcast_test::run_processes(std::filesystem::canonical("/proc/self/exe"), world,
+                                                     [&](int) { return args; }, std::chrono::minutes(10));
+    std::cout << results.at(0).output;
+    for (const auto& r : results)
+        if (r.exit_code != 0) {
+            std::cerr << spbcast_test::describe(results);
+            return 1;
+        }
+    return 0;
+}
+
 int main(int argc, char** argv) {
     if (argc < 3) {
         std::cerr << "usage: see the top of tests/shm_worker.cpp\n";
@@ -564,6 +581,7 @@ int main(int argc, char** argv) {
         if (mode == "fallback") return fallback(argv);
         if (mode == "cgroup_fallback") return cgroup_fallback(argv);
         if (mode == "group_memory") return group_memory(argv);
+        if (mode == "ranks" && argc >= 4) return launch_ranks(argc, argv);
         if (mode == "leader_allocates" && argc == 5) return leader_allocates(argv);
         std::cerr << "unknown mode or arguments\n";
         return 2;
