@@ -295,7 +295,8 @@ def group_memory(shm_worker: pathlib.Path, profiles: list[str], micro_batches: i
                 cmd = [str(shm_worker), "ranks", str(world), "group_memory", profile, str(micro_batches)] + extra
                 with open(log, "w") as f:
                     try:
-                        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+                        # A minute past the launcher's own deadline, at which it stops its ranks.
+                        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout + 60).returncode
                     except subprocess.TimeoutExpired:
                         code = None
                 text = log.read_text()

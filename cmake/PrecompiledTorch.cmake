@@ -1,6 +1,7 @@
 # A large part of the compile time of each program in this tree is parsing LibTorch's headers,
-# and every program parses the same ones. With SPBCAST_PRECOMPILE_TORCH (on by default with GCC) they are
-# compiled once per build tree and each executable and object library of this tree reuses them.
+# and every program parses the same ones. With SPBCAST_PRECOMPILE_TORCH (on by default with
+# GCC) they are compiled once per build tree and each executable and object library of this
+# tree reuses them.
 # The library's own headers are not in it: each program still parses those as a user's would.
 # GCC only: the fuzz build's Clang has its own format and cannot parse all of these in C++20.
 # The package a user installs is untouched by this (tests/consumer builds without it).

@@ -9,8 +9,10 @@
 #                                            it, on one core, while the other builds a tree)
 set -euo pipefail
 
+python_package=yes
 case "${1:-}" in
-    "" | --no-python-package) ;;
+    "") ;;
+    --no-python-package) python_package=no ;;
     *) echo "setup: unknown option '$1' (the one option: --no-python-package)"; exit 2 ;;
 esac
 VENV="${SPBCAST_VENV:-$HOME/.cache/spbcast/venv}"
@@ -57,5 +59,5 @@ if [ -z "$(version_of numpy)" ] || [ -z "$(version_of matplotlib)" ] || [ -z "$(
 fi
 echo "setup: PyTorch wheel $torch_version in $VENV"
 # The Python package (python/) and pytest for its tests, into the same environment.
-[ "${1:-}" = --no-python-package ] || SPBCAST_VENV="$VENV" "$(dirname "$0")/python_package.sh"
+[ "$python_package" = no ] || SPBCAST_VENV="$VENV" "$(dirname "$0")/python_package.sh"
 echo "setup: done"
