@@ -23,6 +23,23 @@
 //       prints the group's memory while a batch is alive (sum of Pss_Anon + change in Shmem).
 //   spbcast_shm_worker soak <rounds>
 //       many small and mid-sized batches; descriptor count and memory must stay flat.
+//   spbcast_shm_worker fork_child <follower|root>
+//       a follower (or a root allocating its batch in a shared_memory_scope) forks a child that
+//       keeps the batch; the parent drops it and three more batches of the same size go by; the
+//       child's batch must be unchanged, and the child holds none of our descriptors.
+//   spbcast_shm_worker burst <kept>
+//       a follower keeps <kept> batches with a segment each, then drops them all at once while
+//       the root waits in another collective: nothing blocks, and the root's tracked segments
+//       and descriptors stay under the pool's bound, then fall back once the answers are read.
+//   spbcast_shm_worker fd_limit
+//       a follower at its descriptor limit gets a clear limit_exceeded error per batch while the
+//       root's held memory and descriptors stay flat; with room again it gets batches again.
+//   spbcast_shm_worker disagree
+//       a follower passes another options.transport than the other ranks on the group's first
+//       broadcast: every rank raises invalid_argument naming both; then all agree, and it works.
+//   spbcast_shm_worker lost_link
+//       a follower's link is lost, and a follower skips a same-host broadcast (a network call):
+//       stale messages are skipped, the lost link moves every rank to the network, intact.
 //   spbcast_shm_worker ranks <world> <mode> <arguments...>
 //       starts <world> ranks of this program in <mode> on a store of their own (the test kit's
 //       launcher, for bench/report.py), prints rank 0's output, fails if a rank failed.
@@ -32,6 +49,7 @@
 #include <spbcast/spbcast.hpp>
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -42,6 +60,7 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -497,6 +516,44 @@ int group_memory(char** argv) {
     return 0;
 }
 
+// Whether `fd` is an open descriptor of this process.
+bool fd_open(int fd) { return fd >= 0 && ::fcntl(fd, F_GETFD) != -1; }
+
+// A child of this process that waits for the parent's word, then checks `check` and exits
+// with its verdict (0 ok). The parent gets the child's pid and the pipe to wake it.
+template <class Check>
+std::pair<pid_t, int> fork_waiting_child(Check check) {
+    int go[2];
+    if (::pipe(go) != 0) throw std::runtime_error("pipe failed");
+    const pid_t child = ::fork();
+    if (child == 0) {
+        ::close(go[1]);
+        char c;
+        while (::read(go[0], &c, 1) < 0 && errno == EINTR) {
+        }
+        ::_exit(check());
+    }
+    ::close(go[0]);
+    return {child, go[1]};
+}
+
+// Wakes the child and waits for it (at most 30 s): its exit code, or -1.
+int wake_and_wait(std::pair<pid_t, int> child) {
+    if (::write(child.second, "g", 1) != 1) return -1;
+    ::close(child.second);
+    for (int i = 0; i < 300; ++i) {
+        int status = 0;
+        if (::waitpid(child.first, &status, WNOHANG) == child.first)
+            return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    ::kill(child.first, SIGKILL);
+    ::waitpid(child.first, nullptr, 0);
+    return -1;
+}
+
+// Rank 1 keeps batches and drops them in bursts, and now and then forks a child that keeps what
+// it holds while three more batches go by: the child's copy must not change.
 int soak(char** argv) {
     const int rounds = std::stoi(argv[2]);
     auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
@@ -505,6 +562,9 @@ int soak(char** argv) {
     long rss_at_warm = 0;
     const int warm = std::min(rounds / 10, 1000);
     at::Tensor big = at::arange(std::int64_t{3} << 17, at::kLong);  // 3 MiB: in place
+    std::vector<std::vector<at::Tensor>> kept;
+    std::pair<pid_t, int> child{-1, -1};
+    int child_round = -1, children = 0;
     for (int round = 0; round < rounds; ++round) {
         const std::uint64_t r = rng();
         std::vector<at::Tensor> batch;
@@ -515,6 +575,7 @@ int soak(char** argv) {
                 spbcast::shared_memory_scope in_shared_memory;
                 batch.push_back(big.narrow(0, 0, static_cast<std::int64_t>((r >> 20) % (big.numel() - (1 << 17))) + (1 << 17)).clone());
             }
+            if (r % 8 == 2) batch.push_back(at::full({(32 << 10) + static_cast<std::int64_t>(r % 1000)}, round, at::kInt));
         }
         spbcast::broadcast(batch, group, {.timeout = std::chrono::seconds(30)});
         if (batch.empty() || batch[0].numel() != static_cast<std::int64_t>(r % 4096) + 1 ||
@@ -522,22 +583,52 @@ int soak(char** argv) {
             std::cerr << "rank " << env.rank << ": round " << round << " arrived wrong\n";
             return 1;
         }
-        if (batch.size() == 2 && !batch[1].equal(big.narrow(0, 0, batch[1].numel()))) {
+        if (batch.size() == 2 && batch[1].scalar_type() == at::kLong && !batch[1].equal(big.narrow(0, 0, batch[1].numel()))) {
             std::cerr << "rank " << env.rank << ": round " << round << " arrived wrong\n";
             return 1;
         }
+        if (env.rank == 1) {
+            kept.push_back(batch);
+            if (kept.size() >= 1 + (r >> 40) % 300) kept.clear();  // a burst of releases
+            if (round % 997 == 500 && child.first < 0) {
+                std::vector<std::uint64_t> digests;
+                for (const auto& b : kept) digests.push_back(spbcast::digest(b));
+                child = fork_waiting_child([&kept, digests] {
+                    for (std::size_t i = 0; i < kept.size(); ++i)
+                        if (spbcast::digest(kept[i]) != digests[i]) return 1;
+                    return 0;
+                });
+                child_round = round;
+                kept.clear();  // the parent lets go; the child keeps them
+            }
+            if (child.first >= 0 && round == child_round + 3) {
+                if (wake_and_wait(child) != 0) {
+                    std::cerr << "rank 1: a forked child's kept batches changed (forked at round " << child_round << ")\n";
+                    return 1;
+                }
+                child = {-1, -1};
+                ++children;
+            }
+        }
         if (round == warm) {
+            kept.clear();
             fds_at_warm = count_fds();
             rss_at_warm = kib_of("/proc/self/status", "VmRSS:");
         }
     }
+    if (child.first >= 0 && wake_and_wait(child) != 0) return 1;
+    kept.clear();
+    barrier(group);
+    barrier(group);  // the root has read every answer by now
     const auto fds = count_fds();
     const long rss = kib_of("/proc/self/status", "VmRSS:");
     const auto stats = spbcast::shared_memory_statistics();
     std::cout << "rank " << env.rank << " shared " << chose_shared(group, 0) << " fds " << fds_at_warm.total
               << " -> " << fds.total << ", rss " << rss_at_warm << " -> " << rss << " KiB, pool cached "
               << stats.cached_bytes << " held " << stats.held_bytes << " reused " << stats.segments_reused
-              << " created " << stats.segments_created << "\n";
+              << " created " << stats.segments_created << " forgotten " << stats.segments_forgotten
+              << " segments " << stats.segments << (env.rank == 1 ? ", forked children " + std::to_string(children) : "")
+              << "\n";
     if (!chose_shared(group, 0)) return 1;
     // Followers hold no segment between batches; the root's pool holds a bounded few.
     if (env.rank != 0 && fds.total != fds_at_warm.total) return 1;
@@ -548,6 +639,232 @@ int soak(char** argv) {
     // (LeakSanitizer checks for leaks at exit instead; descriptors are still checked above).
     if (rss - rss_at_warm > 16 * 1024) return 1;
 #endif
+    return 0;
+}
+
+int fork_child(char** argv) {
+    const bool on_root = std::string(argv[2]) == "root";
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
+    const spbcast::options opts{.timeout = std::chrono::seconds(30)};
+    const int forker = on_root ? 0 : 1;
+    auto fail = [&](const std::string& what) {
+        std::cerr << "rank " << env.rank << ": " << what << "\n";
+        return 1;
+    };
+    const auto profile = xtuner::profile::qwen3_vl_image;
+    auto make = [&](int step) {
+        std::optional<spbcast::shared_memory_scope> in_shared_memory;
+        if (on_root) in_shared_memory.emplace();
+        return xtuner::make_batch(profile, 1, static_cast<std::uint64_t>(step));
+    };
+    xtuner::Batch batch;
+    if (env.rank == 0) batch = make(0);
+    spbcast::broadcast(batch, group, opts);
+    if (!chose_shared(group, 0)) return fail("the same-host path was not chosen");
+    const auto want = spbcast::digest(xtuner::make_batch(profile, 1, 0));
+    std::pair<pid_t, int> child{-1, -1};
+    if (env.rank == forker) {
+        const auto state = spbcast::detail::same_host_registry::instance().find(&spbcast::detail::group_of(group), 0);
+        const int link_fd = on_root ? state->links.at(0).sock.get() : state->link->socket();
+        child = fork_waiting_child([&, link_fd] {
+            // Our descriptors were closed as the child started: no memfd, no same-host socket.
+            if (count_fds().memfds != 0 || fd_open(link_fd)) return 2;
+            return spbcast::digest(batch) == want ? 0 : 3;
+        });
+    }
+    batch.clear();  // every rank lets go; the forker's child keeps its copy
+    for (int step = 1; step <= 3; ++step) {  // batches of the same size: each could reuse the segment
+        xtuner::Batch next;
+        if (env.rank == 0) next = make(step);
+        spbcast::broadcast(next, group, opts);
+        if (spbcast::digest(next) != spbcast::digest(xtuner::make_batch(profile, 1, static_cast<std::uint64_t>(step))))
+            return fail("step " + std::to_string(step) + " differs from the root's batch");
+    }
+    barrier(group);
+    if (env.rank == forker) {
+        const int verdict = wake_and_wait(child);
+        if (verdict == 2) return fail("the forked child inherited a memfd or the same-host socket open");
+        if (verdict != 0) return fail("the forked child's batch changed after the parent let go (exit " + std::to_string(verdict) + ")");
+        std::cout << "rank " << env.rank << ": the child's batch is intact after 3 more broadcasts\n";
+    }
+    if (env.rank == 0)
+        std::cout << "rank 0 forgotten " << spbcast::shared_memory_statistics().segments_forgotten << "\n";
+    barrier(group);
+    return 0;
+}
+
+int burst(char** argv) {
+    const int kept_count = std::stoi(argv[2]);
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(60));
+    const spbcast::options opts{.timeout = std::chrono::seconds(30)};
+    auto fail = [&](const std::string& what) {
+        std::cerr << "rank " << env.rank << ": " << what << "\n";
+        return 1;
+    };
+    auto make = [](int step) { return std::vector<at::Tensor>{at::full({64 << 10}, step, at::kInt)}; };  // 256 KiB
+    std::vector<std::vector<at::Tensor>> kept;
+    std::size_t most_segments = 0;
+    int most_memfds = 0;
+    for (int step = 0; step < kept_count; ++step) {
+        std::vector<at::Tensor> batch = env.rank == 0 ? make(step) : std::vector<at::Tensor>{};
+        spbcast::broadcast(batch, group, opts);
+        if (batch.size() != 1 || !batch[0].equal(make(step)[0])) return fail("step " + std::to_string(step) + " arrived wrong");
+        if (env.rank == 1) kept.push_back(std::move(batch));
+        if (env.rank == 0) {
+            most_segments = std::max(most_segments, spbcast::shared_memory_statistics().segments);
+            most_memfds = std::max(most_memfds, count_fds().memfds);
+        }
+    }
+    if (!chose_shared(group, 0)) return fail("the same-host path was not chosen");
+    const auto limits = spbcast::shared_memory_limits_in_use();
+    if (env.rank == 0) {
+        std::cout << "rank 0: at most " << most_segments << " segments tracked, " << most_memfds << " memfds, bound "
+                  << limits.segments << "\n";
+        if (most_segments > limits.segments || most_memfds > static_cast<int>(limits.segments) + 2)
+            return fail("the root tracked more segments than its bound");
+    }
+    // All at once, while the root waits in a collective of its own.
+    const auto start = std::chrono::steady_clock::now();
+    kept.clear();
+    const double drop_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    barrier(group);
+    if (env.rank == 1) {
+        std::cout << "rank 1 dropped " << kept_count << " batches in " << drop_s << " s\n";
+        if (drop_s > 5) return fail("dropping kept batches took too long");
+    }
+    for (int step = 0; step < 4; ++step) {  // the answers are read at every broadcast
+        std::vector<at::Tensor> batch = env.rank == 0 ? make(step) : std::vector<at::Tensor>{};
+        spbcast::broadcast(batch, group, opts);
+        if (!batch[0].equal(make(step)[0])) return fail("a batch after the burst arrived wrong");
+        barrier(group);
+    }
+    if (env.rank == 0) {
+        const auto stats = spbcast::shared_memory_statistics();
+        std::cout << "rank 0 after the burst: held " << stats.held_bytes << " segments " << stats.segments << "\n";
+        if (stats.held_bytes > (std::size_t{4} << 20)) return fail("the root still holds the released segments");
+    }
+    return 0;
+}
+
+int fd_limit(char**) {
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
+    const spbcast::options opts{.timeout = std::chrono::seconds(30)};
+    auto fail = [&](const std::string& what) {
+        std::cerr << "rank " << env.rank << ": " << what << "\n";
+        return 1;
+    };
+    auto make = [](int step) { return std::vector<at::Tensor>{at::full({1 << 20}, step, at::kInt)}; };  // 4 MiB
+    std::vector<at::Tensor> first = env.rank == 0 ? make(0) : std::vector<at::Tensor>{};
+    spbcast::broadcast(first, group, opts);
+    if (!chose_shared(group, 0)) return fail("the same-host path was not chosen");
+    barrier(group);
+    rlimit saved{};
+    ::getrlimit(RLIMIT_NOFILE, &saved);
+    std::size_t held_at_start = 0;
+    int memfds_at_start = 0;
+    for (int step = 1; step <= 20; ++step) {
+        if (env.rank == 1) {  // no room for one more descriptor
+            rlimit tight = saved;
+            tight.rlim_cur = static_cast<rlim_t>(count_fds().total);
+            ::setrlimit(RLIMIT_NOFILE, &tight);
+        }
+        std::vector<at::Tensor> batch = env.rank == 0 ? make(step) : std::vector<at::Tensor>{};
+        try {
+            spbcast::broadcast(batch, group, opts);
+            if (env.rank == 1) return fail("a batch arrived with no descriptor to spare");
+        } catch (const spbcast::error& e) {
+            if (env.rank != 1 || e.code() != spbcast::errc::limit_exceeded ||
+                std::string(e.what()).find("RLIMIT_NOFILE") == std::string::npos)
+                throw;
+            if (step == 1) std::cout << "rank 1 raised: " << e.what() << "\n";
+        }
+        if (env.rank == 1) ::setrlimit(RLIMIT_NOFILE, &saved);
+        if (env.rank == 2 && !batch.at(0).equal(make(step)[0])) return fail("step " + std::to_string(step) + " arrived wrong");
+        barrier(group);
+        if (env.rank == 0 && step == 3) {
+            held_at_start = spbcast::shared_memory_statistics().held_bytes;
+            memfds_at_start = count_fds().memfds;
+        }
+    }
+    std::vector<at::Tensor> batch = env.rank == 0 ? make(99) : std::vector<at::Tensor>{};
+    spbcast::broadcast(batch, group, opts);
+    if (!batch.at(0).equal(make(99)[0])) return fail("the batch after the limit was lifted arrived wrong");
+    if (env.rank == 0) {
+        const auto held = spbcast::shared_memory_statistics().held_bytes;
+        const int memfds = count_fds().memfds;
+        std::cout << "rank 0: held " << held_at_start << " -> " << held << " bytes, memfds " << memfds_at_start << " -> "
+                  << memfds << "\n";
+        if (held > held_at_start + (std::size_t{8} << 20) || memfds > memfds_at_start + 2)
+            return fail("the root's held memory or descriptors grew while a follower was at its limit");
+    }
+    barrier(group);
+    return 0;
+}
+
+int disagree(char**) {
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
+    auto fail = [&](const std::string& what) {
+        std::cerr << "rank " << env.rank << ": " << what << "\n";
+        return 1;
+    };
+    const auto mine = env.rank == 2 ? spbcast::transport_mode::network : spbcast::transport_mode::automatic;
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<at::Tensor> batch = env.rank == 0 ? std::vector<at::Tensor>{at::ones({1 << 20})} : std::vector<at::Tensor>{};
+    try {
+        spbcast::broadcast(batch, group, {.timeout = std::chrono::seconds(20), .transport = mine});
+        return fail("a disagreement on options.transport was not raised");
+    } catch (const spbcast::error& e) {
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        std::cout << "rank " << env.rank << " raised after " << s << " s: " << e.what() << "\n";
+        const std::string what = e.what();
+        if (e.code() != spbcast::errc::invalid_argument || what.find("transport_mode::network on rank 2") == std::string::npos ||
+            what.find("transport_mode::automatic on the root") == std::string::npos)
+            return fail("not the disagreement's message");
+        if (s > 3) return fail("the disagreement took too long to raise");
+    }
+    // The group stays usable: with the same options, the next broadcast takes the same-host path.
+    batch = env.rank == 0 ? std::vector<at::Tensor>{at::ones({1 << 20})} : std::vector<at::Tensor>{};
+    spbcast::broadcast(batch, group, {.timeout = std::chrono::seconds(20)});
+    if (!batch.at(0).equal(at::ones({1 << 20}))) return fail("the batch after the disagreement arrived wrong");
+    if (!chose_shared(group, 0)) return fail("the same-host path was not chosen after the disagreement");
+    // Later, a follower that changes its transport alone is refused on that rank, its batch
+    // drained; the stream stays in step.
+    batch = env.rank == 0 ? std::vector<at::Tensor>{at::full({1 << 20}, 2.0)} : std::vector<at::Tensor>{};
+    try {
+        spbcast::broadcast(batch, group, {.timeout = std::chrono::seconds(20), .transport = mine});
+        if (env.rank == 2) return fail("a later disagreement was not raised");
+    } catch (const spbcast::error& e) {
+        if (env.rank != 2 || e.code() != spbcast::errc::invalid_argument) throw;
+    }
+    batch = env.rank == 0 ? std::vector<at::Tensor>{at::full({1 << 20}, 3.0)} : std::vector<at::Tensor>{};
+    spbcast::broadcast(batch, group, {.timeout = std::chrono::seconds(20)});
+    if (!batch.at(0).equal(at::full({1 << 20}, 3.0))) return fail("the batch after the later disagreement arrived wrong");
+    if (!chose_shared(group, 0)) return fail("the same-host path ended after a skipped message");
+    std::cout << "rank " << env.rank << " ok\n";
+    return 0;
+}
+
+int lost_link(char**) {
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
+    const spbcast::options opts{.timeout = std::chrono::seconds(20)};
+    auto fail = [&](const std::string& what) {
+        std::cerr << "rank " << env.rank << ": " << what << "\n";
+        return 1;
+    };
+    auto make = [](int step) { return std::vector<at::Tensor>{at::full({1 << 20}, step, at::kInt)}; };
+    for (int step = 0; step < 6; ++step) {
+        if (step == 3 && env.rank == 2) {  // this rank's link goes (as if its socket broke)
+            auto state = spbcast::detail::same_host_registry::instance().find(&spbcast::detail::group_of(group), 0);
+            state->link->close();
+        }
+        if (step == 3) barrier(group);
+        std::vector<at::Tensor> batch = env.rank == 0 ? make(step) : std::vector<at::Tensor>{};
+        spbcast::broadcast(batch, group, opts);
+        if (!batch.at(0).equal(make(step)[0])) return fail("step " + std::to_string(step) + " arrived wrong");
+        const bool shared = chose_shared(group, 0);
+        if (shared != (step < 3)) return fail("step " + std::to_string(step) + (shared ? " still shared" : " not shared"));
+    }
+    std::cout << "rank " << env.rank << " ok: the lost link moved every rank to the network\n";
     return 0;
 }
 
@@ -569,7 +886,7 @@ int launch_ranks(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-    if (argc < 3) {
+    if (argc < 2) {
         std::cerr << "usage: see the top of tests/shm_worker.cpp\n";
         return 2;
     }
@@ -584,6 +901,11 @@ int main(int argc, char** argv) {
         if (mode == "group_memory") return group_memory(argv);
         if (mode == "ranks" && argc >= 4) return launch_ranks(argc, argv);
         if (mode == "leader_allocates" && argc == 5) return leader_allocates(argv);
+        if (mode == "fork_child" && argc == 3) return fork_child(argv);
+        if (mode == "burst" && argc == 3) return burst(argv);
+        if (mode == "fd_limit") return fd_limit(argv);
+        if (mode == "disagree") return disagree(argv);
+        if (mode == "lost_link") return lost_link(argv);
         std::cerr << "unknown mode or arguments\n";
         return 2;
     } catch (const std::exception& e) {

@@ -9,10 +9,17 @@
 
 #include <doctest/doctest.h>
 
-#include <sys/socket.h>
+#include <c10/core/CPUAllocator.h>
 
+#include <sys/socket.h>
+#include <sys/wait.h>
+
+#include <atomic>
+#include <cstring>
 #include <fstream>
+#include <optional>
 #include <random>
+#include <thread>
 
 namespace {
 
@@ -256,12 +263,12 @@ TEST_CASE("shared memory: a follower rejects a short, unsealed or out-of-order s
     using namespace spbcast::detail;
     int pair[2];
     REQUIRE(::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) == 0);
-    unique_fd root_end(pair[0]);
+    owned_fd root_end(pair[0]);
     same_host_state state;
     state.shared = true;
-    state.link = std::make_shared<follower_link>(unique_fd(pair[1]));
+    state.link = std::make_shared<follower_link>(owned_fd(pair[1]));
     solo_group group;
-    spbcast::options opts;
+    const spbcast::options opts{.timeout = 2s};
     group_state gstate;
     collective<solo_group> c(group, opts, gstate, 1);
     std::vector<slot_meta> slots(1);
@@ -275,19 +282,20 @@ TEST_CASE("shared memory: a follower rejects a short, unsealed or out-of-order s
         m.kind = shm_message_kind::segments;
         m.sequence = sequence;
         m.count = 1;
+        m.descriptors = 1;
         m.ids[0] = 5;
-        REQUIRE(send_message(root_end.get(), m, {fd}));
+        REQUIRE(send_message(root_end.get(), m, {fd}, 2000ms) == send_status::sent);
     };
     auto released = [&] {
         shm_message m;
-        std::vector<unique_fd> none;
+        std::vector<owned_fd> none;
         return receive_message(root_end.get(), m, none, 2000ms) == receive_status::ok &&
-               m.kind == shm_message_kind::released && m.segment == 5;
+               m.kind == shm_message_kind::released && m.count == 1 && m.ids[0] == 5;
     };
     auto expect_corrupt = [&](const std::string& what) {
-        auto delivery = take_segments(c, &state);
+        auto delivery = take_segments(c, &state, 9);
         try {
-            map_segments(c, delivery, layout, slots, 9);
+            map_segments(c, delivery, layout, slots);
             FAIL("accepted a segment that is " << what);
         } catch (const spbcast::error& e) {
             CHECK(e.code() == spbcast::errc::corrupt_frame);
@@ -297,7 +305,7 @@ TEST_CASE("shared memory: a follower rejects a short, unsealed or out-of-order s
     };
 
     SUBCASE("unsealed") {
-        unique_fd fd(memfd_create_compat("spbcast-test", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+        owned_fd fd(memfd_create_compat("spbcast-test", MFD_CLOEXEC | MFD_ALLOW_SEALING));
         REQUIRE(::ftruncate(fd.get(), 64 << 10) == 0);
         hand_over(fd.get(), 9);
         expect_corrupt("unsealed");
@@ -309,12 +317,15 @@ TEST_CASE("shared memory: a follower rejects a short, unsealed or out-of-order s
         hand_over(s.fd(), 9);
         expect_corrupt("short");
     }
-    SUBCASE("out of order") {
+    SUBCASE("stale, then short: the stale message is released unmapped and skipped") {
         std::string why;
-        shm_segment s = shm_segment::create(64 << 10, why);
+        shm_segment stale = shm_segment::create(64 << 10, why), s = shm_segment::create(16 << 10, why);
+        REQUIRE(stale);
         REQUIRE(s);
-        hand_over(s.fd(), 8);
-        expect_corrupt("from another broadcast");
+        hand_over(stale.fd(), 8);
+        hand_over(s.fd(), 9);
+        expect_corrupt("short, after a stale message");
+        CHECK(released());  // the stale one
     }
     SUBCASE("valid: mapped privately, released when the last storage goes") {
         std::string why;
@@ -322,8 +333,8 @@ TEST_CASE("shared memory: a follower rejects a short, unsealed or out-of-order s
         REQUIRE(s);
         std::memset(s.data(), 0x5a, 8192);
         hand_over(s.fd(), 9);
-        auto delivery = take_segments(c, &state);
-        auto slot_data = map_segments(c, delivery, layout, slots, 9);
+        auto delivery = take_segments(c, &state, 9);
+        auto slot_data = map_segments(c, delivery, layout, slots);
         REQUIRE(slot_data.size() == 1);
         at::Tensor t = slot_data[0];
         CHECK(t.numel() == 8192);
@@ -337,4 +348,141 @@ TEST_CASE("shared memory: a follower rejects a short, unsealed or out-of-order s
     }
     // Every rejected segment is reported back, so the root can reuse it.
     CHECK(released());
+}
+
+namespace {
+
+std::vector<spbcast_test::process_result> run_mode(int world, std::vector<std::string> args,
+                                                   std::chrono::seconds deadline = 120s) {
+    return spbcast_test::run_processes(worker(), world, [&](int) { return args; }, deadline);
+}
+
+}  // namespace
+
+TEST_CASE("shared memory: a child forked after a batch arrived keeps that batch while later ones reuse memory") {
+    const long baseline = shmem_kib();
+    for (const std::string side : {"follower", "root"}) {
+        CAPTURE(side);
+        const auto results = run_mode(3, {"fork_child", side});
+        require_all_ok(results);
+        CHECK_MESSAGE(results[side == "root" ? 0 : 1].output.find("child's batch is intact") != std::string::npos,
+                      spbcast_test::describe(results));
+    }
+    CHECK(shmem_back_to(baseline, 4096));
+}
+
+TEST_CASE("shared memory: a follower drops hundreds of kept batches at once; nothing blocks, the root stays bounded") {
+    const auto results = run_mode(3, {"burst", "400"});
+    require_all_ok(results);
+    MESSAGE(spbcast_test::describe(results));
+}
+
+TEST_CASE("shared memory: a follower at its descriptor limit gets a clear error; the root stays flat") {
+    const auto results = run_mode(3, {"fd_limit"});
+    require_all_ok(results);
+    CHECK_MESSAGE(results[1].output.find("RLIMIT_NOFILE") != std::string::npos, spbcast_test::describe(results));
+}
+
+TEST_CASE("shared memory: options.transport is agreed: a disagreement raises on every rank at once, the group stays usable") {
+    const auto results = run_mode(3, {"disagree"});
+    require_all_ok(results);
+    for (const auto& r : results) CHECK_MESSAGE(r.seconds < 30, spbcast_test::describe(results));
+}
+
+TEST_CASE("shared memory: a lost link moves every rank to the network together, batches intact") {
+    require_all_ok(run_mode(3, {"lost_link"}));
+}
+
+TEST_CASE("shared memory: the allocator forwards c10's raw interface, inside and outside a scope") {
+    constexpr std::size_t bytes = std::size_t{2} << 20;
+    auto* mine = spbcast::detail::install_shared_memory_allocator();
+    // Whatever allocator is in front now (this suite installs others later), and spbcast's itself.
+    for (c10::Allocator* allocator : {c10::GetCPUAllocator(), static_cast<c10::Allocator*>(mine)}) {
+        REQUIRE((allocator->raw_deleter() != nullptr));
+        void* outside = allocator->raw_allocate(bytes);
+        REQUIRE(outside != nullptr);
+        std::memset(outside, 1, bytes);
+        allocator->raw_deallocate(outside);
+        spbcast::shared_memory_scope in_shared_memory;
+        void* inside = allocator->raw_allocate(bytes);
+        REQUIRE(inside != nullptr);
+        std::memset(inside, 2, bytes);
+        allocator->raw_deallocate(inside);
+    }
+#if SPBCAST_TORCH_AT_LEAST(2, 0)
+    spbcast::shared_memory_scope in_shared_memory;
+    c10::DataPtr a = mine->allocate(bytes), b = mine->allocate(bytes);
+    std::memset(a.get(), 7, bytes);
+    mine->copy_data(b.get(), a.get(), bytes);
+    CHECK(static_cast<unsigned char*>(b.get())[bytes - 1] == 7);
+    CHECK(mine->is_simple_data_ptr(a));
+#endif
+}
+
+TEST_CASE("shared memory: a scope closed on another thread stops its opener's thread from allocating in segments") {
+    using spbcast::detail::shared_allocation_of;
+    std::optional<spbcast::shared_memory_scope> scope;
+    scope.emplace();
+    const at::Tensor inside = at::empty({1 << 20}, at::kFloat);
+    CHECK(shared_allocation_of(inside.storage()) != nullptr);
+    std::thread([&] { scope.reset(); }).join();
+    const at::Tensor after = at::empty({1 << 20}, at::kFloat);
+    CHECK(shared_allocation_of(after.storage()) == nullptr);
+    {   // nesting still restores the outer scope
+        spbcast::shared_memory_scope outer;
+        { spbcast::shared_memory_scope inner(std::size_t{8} << 20); }
+        const at::Tensor t = at::empty({1 << 20}, at::kFloat);
+        CHECK(shared_allocation_of(t.storage()) != nullptr);
+    }
+}
+
+TEST_CASE("shared memory: fork while other threads allocate, free and report: the child never deadlocks") {
+    std::atomic<bool> stop{false};
+    std::vector<std::thread> busy;
+    for (int t = 0; t < 2; ++t)
+        busy.emplace_back([&] {
+            while (!stop) {
+                spbcast::shared_memory_scope in_shared_memory;
+                at::Tensor a = at::empty({1 << 18}, at::kFloat);  // 1 MiB: a segment each
+                a.fill_(1);
+                (void)spbcast::shared_memory_statistics();
+            }
+        });
+    int hung = 0;
+    at::Tensor kept;
+    {
+        spbcast::shared_memory_scope in_shared_memory;
+        kept = at::full({1 << 18}, 3.0f);
+    }
+    for (int i = 0; i < 40; ++i) {
+        const pid_t child = ::fork();
+        if (child == 0) {
+            // Every lock the library may take here must be free in the child.
+            {
+                spbcast::shared_memory_scope in_shared_memory;
+                at::Tensor t = at::empty({1 << 18}, at::kFloat);
+                if (spbcast::detail::shared_allocation_of(t.storage()) != nullptr) ::_exit(2);  // a child never uses the pool
+            }
+            const bool intact = kept.equal(at::full({1 << 18}, 3.0f));
+            kept = at::Tensor();  // frees an inherited shared allocation
+            (void)spbcast::shared_memory_statistics();
+            ::_exit(intact ? 0 : 3);
+        }
+        int status = 0;
+        bool done = false;
+        for (int w = 0; w < 100 && !done; ++w) {
+            done = ::waitpid(child, &status, WNOHANG) == child;
+            if (!done) std::this_thread::sleep_for(50ms);
+        }
+        if (!done) {
+            ++hung;
+            ::kill(child, SIGKILL);
+            ::waitpid(child, &status, 0);
+            continue;
+        }
+        CHECK_MESSAGE((WIFEXITED(status) && WEXITSTATUS(status) == 0), "child " << i << " status " << status);
+    }
+    stop = true;
+    for (auto& t : busy) t.join();
+    CHECK(hung == 0);
 }

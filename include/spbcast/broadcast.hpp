@@ -42,24 +42,31 @@ inline void check_options(const options& opts, int rank, int size) {
     if (opts.bucket_bytes == 0) bad("options.bucket_bytes must be positive");
 }
 
-// The same-host state of (group, root): decided by the handshake on the first broadcast that
-// may use it, by every rank together. Null when the network path is used.
+// The same-host state of (group, root), or null: decided by the handshake, by every rank
+// together, on the first broadcast that may use it - and checked by every rank against its
+// options.transport. The root offers the handshake unless options.transport is network (or
+// automatic on a group it cannot track); a follower without a decision always looks for the
+// offer, whatever its own options, so a rank whose options.transport differs takes part in the
+// handshake and every rank raises the disagreement. The state is returned while the path is
+// shared, whatever this call's options.transport: a network call still reads the followers'
+// answers on the root and keeps the descriptor stream in step on a follower.
 template <class Group>
 std::shared_ptr<same_host_state> same_host_for(Group& g, const options& opts, group_state& gstate,
                                                std::uint64_t sequence, at::Tensor& early_frame) {
-    if (opts.transport == transport_mode::network) return nullptr;
-    // A user's own transport cannot be told from a later one at the same address (see
-    // same_host_registry): it takes the same-host path only when asked for explicitly.
-    if (opts.transport == transport_mode::automatic && !same_host_registry::tracked<Group>) return nullptr;
+    const bool is_root = g.getRank() == opts.root;
     auto& registry = same_host_registry::instance();
     auto state = registry.find(&g, opts.root);
     if (!state) {
+        // A user's own transport cannot be told from a later one at the same address (see
+        // same_host_registry): the root offers the same-host path there only when asked for it.
+        const bool offers = opts.transport == transport_mode::shared_memory ||
+                            (opts.transport == transport_mode::automatic && same_host_registry::tracked<Group>);
+        if (is_root && !offers) return nullptr;
         state = same_host_handshake(g, opts, gstate, sequence, early_frame);
         if (!state) return nullptr;  // the root did not offer: this broadcast, the network path
         registry.put(&g, opts.root, state, same_host_registry::owner_of(g));
     }
-    if (state->shared) return state;
-    if (opts.transport == transport_mode::shared_memory)
+    if (!state->shared && opts.transport == transport_mode::shared_memory)
         throw error(errc::invalid_argument,
                     "spbcast: rank " + std::to_string(g.getRank()) + ": broadcast #" + std::to_string(sequence) +
                         " from root " + std::to_string(opts.root) +
@@ -67,7 +74,7 @@ std::shared_ptr<same_host_state> same_host_for(Group& g, const options& opts, gr
                         "in this group (" + state->why_not +
                         "); run every rank of the group on one host, as one user, in one network "
                         "namespace, or use transport_mode::automatic to fall back to the network");
-    return nullptr;
+    return state->shared ? state : nullptr;
 }
 
 }  // namespace detail

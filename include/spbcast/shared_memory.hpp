@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <memory>
 
 namespace spbcast {
 
@@ -21,7 +22,17 @@ struct shared_memory_stats {
     std::size_t network_fallbacks;  // batches sent over the network because no segment could be had
     std::size_t tensors_allocated;  // tensors allocated in shared memory by a shared_memory_scope
     std::size_t tensors_shared;     // of those, broadcast without a copy (their segment handed over)
+    std::size_t segments;           // segments the pool tracks now: one descriptor and one mapping each
+    std::size_t segments_forgotten; // left to the processes that map them (a fork, a bound, a lost link)
 };
+
+// The bounds of this process's segment pool (a root's): free bytes and free segments kept for
+// reuse, and every segment it tracks at all - each one costs the root a descriptor, so this
+// bound keeps the root well under the common soft limit of 1024 descriptors. Past it, the
+// oldest segments that only followers still map are forgotten (the followers keep them; the
+// kernel frees them with their last mapping), and a new tensor allocation inside a scope that
+// finds every tracked segment held by the root's own tensors gets ordinary memory.
+using shared_memory_limits = detail::shm_pool_limits;
 
 // While it lives, CPU tensors of at least `min_bytes` (64 KiB at least) that this thread
 // allocates - through ATen, so a collator's torch::cat, stack, empty or clone - live in
@@ -36,28 +47,43 @@ struct shared_memory_stats {
 class shared_memory_scope {
 public:
     explicit shared_memory_scope(std::size_t min_bytes = std::size_t{1} << 20)
-        : previous_(detail::shared_scope_min_bytes) {
+        : token_(std::make_shared<detail::scope_token>()) {
         detail::install_shared_memory_allocator();
-        detail::shared_scope_min_bytes = std::max(min_bytes, detail::shm_pool::rounding);
+        token_->min_bytes = std::max(min_bytes, detail::shm_pool::rounding);
+        detail::shared_scope_min_bytes();  // drops this thread's closed scopes first
+        detail::open_scopes.push_back(token_);
     }
-    ~shared_memory_scope() { detail::shared_scope_min_bytes = previous_; }
+    // May run on another thread than the one that opened it: the opener's thread then stops
+    // allocating in shared memory at its next allocation.
+    ~shared_memory_scope() { token_->open.store(false, std::memory_order_release); }
     shared_memory_scope(const shared_memory_scope&) = delete;
     shared_memory_scope& operator=(const shared_memory_scope&) = delete;
 
 private:
-    std::size_t previous_;
+    std::shared_ptr<detail::scope_token> token_;
 };
 
 // This process's pool, as a root. Followers hold no pool: their batches map the root's segments.
 inline shared_memory_stats shared_memory_statistics() {
     const auto s = detail::shm_pool::instance().statistics();
     return {s.limit_bytes, s.cached_bytes, s.held_bytes, s.segments_reused, s.segments_created,
-            s.network_fallbacks, s.tensors_allocated, s.tensors_shared};
+            s.network_fallbacks, s.tensors_allocated, s.tensors_shared, s.segments, s.segments_forgotten};
 }
 
-// Bounds the free segments a root keeps for reuse (default 2 GiB); 0 keeps none, so every
+// Sets the pool's bounds (defaults: 2 GiB and 16 free segments kept for reuse, 256 segments
+// tracked in all).
+inline void set_shared_memory_limits(const shared_memory_limits& limits) {
+    detail::shm_pool::instance().set_limits(limits);
+}
+inline shared_memory_limits shared_memory_limits_in_use() { return detail::shm_pool::instance().limits(); }
+
+// Bounds the free segment bytes a root keeps for reuse (default 2 GiB); 0 keeps none, so every
 // batch fills fresh pages.
-inline void set_shared_memory_limit(std::size_t bytes) { detail::shm_pool::instance().set_limit(bytes); }
+inline void set_shared_memory_limit(std::size_t bytes) {
+    auto limits = shared_memory_limits_in_use();
+    limits.free_bytes = bytes;
+    set_shared_memory_limits(limits);
+}
 
 // Frees every free segment now. Segments a follower still maps are freed by the kernel when
 // that follower drops its last tensor over them.

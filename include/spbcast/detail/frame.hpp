@@ -4,6 +4,7 @@
 // of collectives that follows, and issues exactly that sequence whatever it finds.
 #pragma once
 
+#include "../options.hpp"
 #include "bytes.hpp"
 
 #include <cstddef>
@@ -14,7 +15,7 @@
 namespace spbcast::detail {
 
 inline constexpr std::uint32_t frame_magic = 0x43425053;  // "SPBC" in little-endian bytes
-inline constexpr std::uint16_t format_version = 4;
+inline constexpr std::uint16_t format_version = 5;
 inline constexpr std::size_t inline_frame_bytes = 8192;  // header + first body bytes
 
 // keep_alive: the root is still producing its batch; the real frame follows (keep_alive.hpp).
@@ -24,7 +25,13 @@ enum class frame_status : std::uint16_t { ok = 0, error = 1, keep_alive = 2, sam
 // payload_checksums: the root sends a checksum per transferred slot (in the status trailer, or
 // in the segment layout). shared_segment: the transferred slots lie in shared-memory segments
 // (same_host.hpp) described after the slot table, and travel in no collective.
-enum frame_flags : std::uint32_t { payload_checksums = 1, shared_segment = 2 };
+// same_host_closed: the root ended the same-host path of this (group, root) - it lost a link -
+// and this batch and every later one take the network path (every rank ends it here).
+// Bits 3-4 carry the root's options.transport (transport_flag), which followers check.
+enum frame_flags : std::uint32_t { payload_checksums = 1, shared_segment = 2, same_host_closed = 4 };
+
+inline constexpr std::uint32_t transport_flag(transport_mode m) { return (static_cast<std::uint32_t>(m) & 3u) << 3; }
+inline constexpr transport_mode transport_of(std::uint32_t flags) { return static_cast<transport_mode>((flags >> 3) & 3u); }
 
 struct frame_header {
     std::uint32_t magic = frame_magic;
@@ -48,6 +55,12 @@ static_assert(sizeof(frame_header) == 64, "spbcast: the frame header is 64 bytes
 static_assert(std::is_trivially_copyable_v<frame_header>);
 
 inline constexpr std::size_t inline_body_bytes = inline_frame_bytes - sizeof(frame_header);
+
+// A keep-alive frame (keep_alive.hpp): the root is alive and still producing its batch.
+inline bool is_keep_alive(const frame_header& h) {
+    return h.magic == frame_magic && h.header_checksum == h.compute_checksum() &&
+           h.status == static_cast<std::uint16_t>(frame_status::keep_alive) && h.body_bytes == 0;
+}
 // A root's error message is cut to this, so its error frame (an empty slot table and the
 // message) fits in the first message and is read whatever the follower's limits.
 inline constexpr std::size_t max_error_message_bytes = inline_body_bytes - 64;

@@ -51,7 +51,7 @@ std::pair<frame_header, std::vector<std::uint8_t>> receive_frame(collective<Grou
         std::memcpy(&header, in, sizeof header);
         if (header.magic != frame_magic) corrupt("bad magic", "frame");
         if (header.header_checksum != header.compute_checksum()) corrupt("header checksum mismatch", "frame");
-    } while (header.status == static_cast<std::uint16_t>(frame_status::keep_alive) && header.body_bytes == 0);
+    } while (is_keep_alive(header));
     const std::size_t inline_part = std::min<std::uint64_t>(header.body_bytes, inline_body_bytes);
     const limits& lim = c.opts().limits;
     if (header.body_bytes > std::max<std::uint64_t>(lim.max_frame_bytes, lim.max_payload_bytes))
@@ -304,6 +304,10 @@ void check_agreement(collective<Group>& c, const frame_header& header) {
         refuse(errc::out_of_step, "the frame came from rank " + std::to_string(header.root) +
                                       " but this rank called with options.root = " +
                                       std::to_string(opts.root) + "; pass the same root on every rank");
+    if (header.status == static_cast<std::uint16_t>(frame_status::ok) && transport_of(header.flags) != opts.transport)
+        refuse(errc::invalid_argument, std::string("options.transport is ") + transport_name(transport_of(header.flags)) +
+                                           " on the root and " + transport_name(opts.transport) +
+                                           " on this rank; pass the same options on every rank");
     const bool root_checksums = header.flags & payload_checksums;
     if (header.status == static_cast<std::uint16_t>(frame_status::ok) && root_checksums != opts.checksum)
         refuse(errc::out_of_step, std::string("options.checksum is ") + (root_checksums ? "true" : "false") +
@@ -344,8 +348,12 @@ template <class T, class Group>
 void receive(collective<Group>& c, T& value, same_host_state* same_host = nullptr,
              at::Tensor early_frame = {}) {
     const options& opts = c.opts();
+    if (same_host && same_host->link) same_host->link->flush();  // answers the socket had no room for
     auto [header, body] = receive_frame(c, std::move(early_frame));
     const std::vector<slot_meta> slots = announced_slots(c, header, body);
+    if ((header.flags & same_host_closed) && same_host)
+        same_host->end_path(c.where() + ": the root (rank " + std::to_string(header.root) +
+                            ") ended the same-host path: it lost its link to a follower");
 
     std::exception_ptr refusal;
     std::optional<parsed_frame> frame;
@@ -354,7 +362,7 @@ void receive(collective<Group>& c, T& value, same_host_state* same_host = nullpt
     std::optional<segment_delivery> delivery;
     std::vector<at::Tensor> segment_slots;
     try {
-        if (header.flags & shared_segment) delivery = take_segments(c, same_host);
+        if (header.flags & shared_segment) delivery = take_segments(c, same_host, header.sequence);
         std::exception_ptr disagreement;
         try {
             check_agreement(c, header);
@@ -376,7 +384,7 @@ void receive(collective<Group>& c, T& value, same_host_state* same_host = nullpt
         else if (unusable)
             refusal = unusable;
         else if (frame->segment) {
-            segment_slots = map_segments(c, *delivery, *frame->segment, slots, header.sequence);
+            segment_slots = map_segments(c, *delivery, *frame->segment, slots);
             frame->plan.adopt_slots(segment_slots);
         } else
             frame->plan.allocate();

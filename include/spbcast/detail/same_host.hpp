@@ -22,6 +22,9 @@
 
 #include <ATen/ATen.h>
 
+#include <sys/resource.h>
+
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
@@ -93,99 +96,125 @@ struct segment_layout {
     }
 };
 
-// Root: puts the payload of `plan` into segments and hands them to every follower. Returns no
-// layout (and the batch goes over the network) when no segment can be had.
-inline std::optional<segment_layout> place_payload(same_host_state& state, const send_plan& plan,
-                                                   std::uint64_t sequence, bool with_checksums) {
-    const auto& slots = plan.slots();
-    if (transferred_slot_count(slots) == 0) return std::nullopt;  // all in the frame, or nothing
-    state.collect_releases();
-    int holders = 0;
-    for (const auto& l : state.links) holders += l.alive ? 1 : 0;
-    if (holders == 0) return std::nullopt;
-    auto& pool = shm_pool::instance();
-    pool.next_batch();
+// Buckets up to this size ride in the frame on the same-host path (one or two small
+// collectives), so a small batch costs no segment: a follower that keeps many small batches
+// pins no descriptor or segment on the root.
+inline constexpr std::uint64_t same_host_frame_bytes = std::uint64_t{64} << 10;
 
-    // Slots that are a tensor of the root's own in a segment stay there; the others are copied
-    // into the batch's segment, at these offsets.
-    std::vector<shared_allocation*> kept(slots.size(), nullptr);
-    std::vector<std::uint64_t> copy_offset(slots.size(), 0);
+// Where the root's payload goes: slots that are a tensor of the root's own in a segment stay
+// there (kept), the others are copied into the batch's segment at copy_offset.
+struct segment_plan {
+    std::vector<shared_allocation*> kept;
+    std::vector<std::uint64_t> copy_offset;
     std::uint64_t copied_bytes = 0;
-    std::size_t kept_count = 0;
     bool copies = false;
-    for (std::uint32_t i = 0; i < slots.size(); ++i) {
-        if (slots[i].in_frame) continue;
-        if (slots[i].in_place && kept_count + 1 < max_batch_segments) {
-            shared_allocation* a = shared_allocation_of(plan.in_place_source(i).storage);
-            if (a && !a->detached && a->detach()) {
-                kept[i] = a;
-                ++kept_count;
-                continue;
-            }
-        }
-        copies = true;
-        copied_bytes = (copied_bytes + segment_slot_alignment - 1) / segment_slot_alignment * segment_slot_alignment;
-        copy_offset[i] = copied_bytes;
-        copied_bytes += slots[i].bytes;
-    }
-    shm_pool::lease lease;
-    if (copies) {
-        std::string why_not;
-        lease = pool.acquire(copied_bytes, holders, why_not);
-        if (!lease) {
-            // The tensors kept above go over the network too, intact: nothing of them has left.
-            pool.count_network_fallback();
-            return std::nullopt;
-        }
-    }
 
-    // The descriptors go in this order: the batch's segment, then the kept ones in slot order.
+    explicit segment_plan(const send_plan& plan) : kept(plan.slots().size(), nullptr), copy_offset(plan.slots().size(), 0) {
+        const auto& slots = plan.slots();
+        std::size_t kept_count = 0;
+        for (std::uint32_t i = 0; i < slots.size(); ++i) {
+            if (slots[i].in_frame) continue;
+            if (slots[i].in_place && kept_count + 1 < max_batch_segments) {
+                shared_allocation* a = shared_allocation_of(plan.in_place_source(i).storage);
+                if (a && !a->detached && a->detach()) {
+                    kept[i] = a;
+                    ++kept_count;
+                    continue;
+                }
+            }
+            copies = true;
+            copied_bytes = (copied_bytes + segment_slot_alignment - 1) / segment_slot_alignment * segment_slot_alignment;
+            copy_offset[i] = copied_bytes;
+            copied_bytes += slots[i].bytes;
+        }
+    }
+};
+
+// Root: fills the batch's segment and describes every segment. The descriptors go in this
+// order: the batch's segment, then the kept ones in slot order.
+inline segment_layout fill_segments(const send_plan& plan, const segment_plan& where, const shm_pool::lease& lease,
+                                    int holders, bool with_checksums, std::vector<int>& fds) {
+    const auto& slots = plan.slots();
+    auto& pool = shm_pool::instance();
     segment_layout layout;
-    std::vector<int> fds;
-    if (copies) {
-        layout.segments.push_back({lease.id, lease.capacity, copied_bytes});
+    if (where.copies) {
+        layout.segments.push_back({lease.id, lease.capacity, where.copied_bytes});
         fds.push_back(lease.fd);
     }
     for (std::uint32_t i = 0; i < slots.size(); ++i) {
         if (slots[i].in_frame) continue;
-        if (!kept[i]) {
-            layout.places.push_back({0, copy_offset[i]});
+        shared_allocation* kept = where.kept[i];
+        if (!kept) {
+            layout.places.push_back({0, where.copy_offset[i]});
             continue;
         }
         const std::uint64_t offset = plan.in_place_source(i).lo;
         layout.places.push_back({static_cast<std::uint32_t>(layout.segments.size()), offset});
-        layout.segments.push_back({kept[i]->segment, kept[i]->capacity, offset + slots[i].bytes});
-        fds.push_back(kept[i]->fd);
-        pool.hold(kept[i]->segment, holders);
+        layout.segments.push_back({kept->segment, kept->capacity, offset + slots[i].bytes});
+        fds.push_back(kept->fd);
+        pool.hold(kept->segment, holders);
         pool.count_tensor(true);
     }
     try {
         for (std::uint32_t i = 0, k = 0; i < slots.size(); ++i) {
             if (slots[i].in_frame) continue;
             const auto& p = layout.places[k++];
-            std::uint8_t* at = kept[i] ? static_cast<std::uint8_t*>(kept[i]->data) + p.offset : lease.data + p.offset;
-            if (!kept[i]) plan.pack_slot(i, at);
+            shared_allocation* kept = where.kept[i];
+            std::uint8_t* at = kept ? static_cast<std::uint8_t*>(kept->data) + p.offset : lease.data + p.offset;
+            if (!kept) plan.pack_slot(i, at);
             if (with_checksums) layout.checksums.push_back(checksum64(at, slots[i].bytes));
         }
     } catch (...) {
         for (const auto& s : layout.segments)
-            for (int h = 0; h < holders; ++h) pool.release(s.id);
+            for (int h = 0; h < holders; ++h) pool.release_follower(s.id);
         throw;
     }
+    return layout;
+}
+
+// Root: hands the segments to every follower, in the message that answers broadcast
+// `sequence`. A follower that cannot take it within options.timeout is lost: false, and the
+// caller ends the path (state.lost says why).
+inline bool hand_over(same_host_state& state, const segment_layout& layout, const std::vector<int>& fds,
+                      std::uint64_t sequence, std::chrono::milliseconds timeout) {
     shm_message m;
     m.kind = shm_message_kind::segments;
     m.sequence = sequence;
     for (const auto& s : layout.segments) m.ids[m.count++] = s.id;
+    m.descriptors = m.count;
     for (auto& l : state.links) {
         if (!l.alive) continue;
-        if (send_message(l.sock.get(), m, fds)) {
-            for (const auto& s : layout.segments) l.held.insert(s.id);
-        } else {
-            // A follower that cannot be reached has died; the group reports it next.
-            for (const auto& s : layout.segments) pool.release(s.id);
-            state.drop_link(l);
+        for (const auto& s : layout.segments) l.held.insert(s.id);  // forgotten with the link if it fails
+        const auto status = send_message(l.sock.get(), m, fds, timeout);
+        if (status != send_status::sent)
+            state.drop_link(l, status == send_status::would_block ? "its socket stayed full for options.timeout"
+                                                                  : "its socket closed");
+    }
+    return state.lost.empty();
+}
+
+// Root: puts the payload of `plan` into segments and hands them to every follower. Returns no
+// layout (and the batch goes over the network) when no segment can be had or a link was lost.
+inline std::optional<segment_layout> place_payload(same_host_state& state, const send_plan& plan,
+                                                   std::uint64_t sequence, const options& opts) {
+    if (transferred_slot_count(plan.slots()) == 0 || state.links.empty()) return std::nullopt;
+    const int holders = static_cast<int>(state.links.size());
+    auto& pool = shm_pool::instance();
+    pool.next_batch();
+    const segment_plan where(plan);
+    shm_pool::lease lease;
+    if (where.copies) {
+        std::string why_not;
+        lease = pool.acquire_for_batch(where.copied_bytes, holders, why_not);
+        if (!lease) {
+            // The tensors kept above go over the network too, intact: nothing of them has left.
+            pool.count_network_fallback();
+            return std::nullopt;
         }
     }
+    std::vector<int> fds;
+    segment_layout layout = fill_segments(plan, where, lease, holders, opts.checksum, fds);
+    if (!hand_over(state, layout, fds, sequence, opts.timeout)) return std::nullopt;
     return layout;
 }
 
@@ -193,59 +222,79 @@ inline std::optional<segment_layout> place_payload(same_host_state& state, const
 // released unless a mapping takes it over.
 struct segment_delivery {
     shm_message message;
-    std::vector<unique_fd> fds;  // one per message.ids
+    std::vector<owned_fd> fds;  // one per message.ids
     std::vector<bool> mapped;
     std::shared_ptr<follower_link> link;
 
     segment_delivery() = default;
     segment_delivery(segment_delivery&&) = default;
     segment_delivery& operator=(segment_delivery&&) = default;
-    ~segment_delivery() {
+    ~segment_delivery() { release_unmapped(); }
+
+    void release_unmapped() {
         if (!link) return;
-        for (std::size_t i = 0; i < mapped.size(); ++i)
-            if (!mapped[i]) link->report_released(message.ids[i]);
+        for (std::uint32_t i = 0; i < message.count; ++i)
+            if (i >= mapped.size() || !mapped[i]) link->report(message.ids[i], false);
+        link.reset();
     }
 };
 
+// Follower: takes the message that answers the frame of broadcast `sequence` off the socket.
+// The stream is always in step with the frames: a message for an earlier broadcast (one this
+// rank did not take, a network call of its own) is stale - released unmapped and skipped.
+// Anything else that does not answer this frame ends this rank's link (the root sees it close
+// and ends the path for every rank at its next broadcast).
 template <class Group>
-segment_delivery take_segments(collective<Group>& c, same_host_state* state) {
-    segment_delivery d;
-    auto corrupt = [&](const std::string& what) {
-        return error(errc::corrupt_frame,
-                     c.where() + ": the frame announced shared-memory segments, but " + what +
-                         "; the root runs an incompatible spbcast - build every rank from the "
-                         "same release, or set options.transport = transport_mode::network");
+segment_delivery take_segments(collective<Group>& c, same_host_state* state, std::uint64_t sequence) {
+    auto lost = [&](const std::string& what) {
+        const std::string why = c.where() + ": the frame announced shared-memory segments, but " + what;
+        if (state) state->end_path(why);
+        return error(errc::corrupt_frame, why + "; this batch is lost on this rank, and the group takes the network "
+                                                "path from the root's next broadcast on");
     };
-    if (!state || !state->link) throw corrupt("this rank has no same-host channel to the root");
-    const auto status = receive_message(state->link->socket(), d.message, d.fds, std::chrono::milliseconds(2000));
-    if (status == receive_status::closed)
-        throw transport_error(errc::transport,
-                              c.where() + " failed in phase 'shared segment': the root's same-host "
-                                          "socket closed - the root has probably died; the group is "
-                                          "unusable now - restart the job",
-                              "shared segment");
-    if (status != receive_status::ok || d.message.kind != shm_message_kind::segments)
-        throw corrupt("no segment descriptors arrived with it");
-    d.mapped.assign(d.fds.size(), false);
-    d.link = state->link;
-    return d;
+    if (!state || !state->link) throw lost("this rank has no same-host channel to the root");
+    for (;;) {
+        segment_delivery d;
+        const auto status = receive_message(state->link->socket(), d.message, d.fds, c.opts().timeout);
+        if (status == receive_status::closed)
+            throw transport_error(errc::transport,
+                                  c.where() + " failed in phase 'shared segment': the root's same-host "
+                                              "socket closed - the root has probably died; the group is "
+                                              "unusable now - restart the job",
+                                  "shared segment");
+        if (status == receive_status::timed_out) throw lost("no segment descriptors arrived within options.timeout");
+        if (status == receive_status::malformed || d.message.kind != shm_message_kind::segments)
+            throw lost("the root's socket delivered a malformed message");
+        d.link = state->link;
+        if (d.message.sequence < sequence) continue;  // stale: released as d goes
+        if (d.message.sequence > sequence)
+            throw lost("the descriptors belong to broadcast #" + std::to_string(d.message.sequence));
+        if (status == receive_status::truncated) {
+            rlimit limit{};
+            ::getrlimit(RLIMIT_NOFILE, &limit);
+            throw error(errc::limit_exceeded,
+                        c.where() + ": the root's shared-memory segments arrived without their descriptors: "
+                                    "this process is at its descriptor limit (RLIMIT_NOFILE soft limit " +
+                            std::to_string(limit.rlim_cur) +
+                            "); this batch is lost on this rank, the group stays usable - raise the limit "
+                            "(ulimit -n) or close descriptors");
+        }
+        d.mapped.assign(d.fds.size(), false);
+        return d;
+    }
 }
-
 // Maps the delivered segments and returns one uint8 tensor per transferred slot over the
 // mappings (undefined for the slots in the frame); the descriptors are closed before
 // returning. Throws errc::corrupt_frame for segments that do not match the frame.
 template <class Group>
 std::vector<at::Tensor> map_segments(collective<Group>& c, segment_delivery& d, const segment_layout& layout,
-                                     const std::vector<slot_meta>& slots, std::uint64_t header_sequence) {
+                                     const std::vector<slot_meta>& slots) {
     auto corrupt = [&](const std::string& what) {
         return error(errc::corrupt_frame,
                      c.where() + ": rejected the root's shared-memory segment: " + what +
                          "; this batch is lost on this rank, the group stays usable (if it "
                          "repeats, set options.transport = transport_mode::network)");
     };
-    if (d.message.sequence != header_sequence)
-        throw corrupt("it belongs to broadcast #" + std::to_string(d.message.sequence) + ", not #" +
-                      std::to_string(header_sequence));
     if (d.fds.size() != layout.segments.size())
         throw corrupt(std::to_string(d.fds.size()) + " descriptors came for the frame's " +
                       std::to_string(layout.segments.size()) + " segments");

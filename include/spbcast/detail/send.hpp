@@ -31,6 +31,7 @@ void send_frame(collective<Group>& c, frame_header header, const std::vector<std
     header.body_bytes = body.size();
     header.body_checksum = checksum64(body.data(), body.size());
     header.root = static_cast<std::uint32_t>(c.opts().root);
+    header.flags |= transport_flag(c.opts().transport);
     header.sequence = c.sequence();
     header.header_checksum = header.compute_checksum();
     at::Tensor first = at::zeros({static_cast<std::int64_t>(inline_frame_bytes)}, at::kByte);
@@ -49,8 +50,11 @@ void send_frame(collective<Group>& c, frame_header header, const std::vector<std
 template <class Group>
 void send_payload(collective<Group>& c, const send_plan& plan, const frame_header& header);
 
-// `same_host`: the (group, root) chose the same-host path; the transferred slots then go into
-// shared segments before the frame is sent, and the frame is the whole broadcast.
+// `same_host`: the (group, root)'s same-host path, when it has one. Its followers' answers are
+// read at every broadcast; unless options.transport is network, the transferred slots go into
+// shared segments before the frame is sent, and the frame is the whole broadcast. A link lost
+// since the last broadcast ends the path for every rank: this frame says so (same_host_closed)
+// and this batch and all later ones take the network path.
 template <class T, class Group>
 void send(collective<Group>& c, const T& value, same_host_state* same_host = nullptr) {
     const options& opts = c.opts();
@@ -59,12 +63,20 @@ void send(collective<Group>& c, const T& value, same_host_state* same_host = nul
     byte_writer values;
     encoder enc(values, plan, opts.limits);
     std::optional<segment_layout> layout;
+    std::uint32_t path_flags = 0;
     try {
         enc.value(value);
         plan.finish(opts);
         if (same_host) {
-            plan.keep_frame_within(inline_body_bytes / 2);
-            layout = place_payload(*same_host, plan, c.sequence(), opts.checksum);
+            same_host->collect_releases();
+            if (same_host->lost.empty() && opts.transport != transport_mode::network) {
+                plan.keep_frame_within(same_host_frame_bytes);
+                layout = place_payload(*same_host, plan, c.sequence(), opts);
+            }
+            if (!same_host->lost.empty()) {
+                path_flags = same_host_closed;
+                same_host->end_path(c.where() + ": " + same_host->lost);
+            }
         }
         plan.write_slot_table(body);
         if (layout) layout->write(body);
@@ -93,7 +105,7 @@ void send(collective<Group>& c, const T& value, same_host_state* same_host = nul
         frame_header header;
         header.status = static_cast<std::uint16_t>(frame_status::error);
         // Followers were handed the segment already: they take it off their socket and let go.
-        header.flags = layout ? shared_segment : 0;
+        header.flags = (layout ? shared_segment : 0) | path_flags;
         header.fingerprint = fingerprint_of<T>;
         send_frame(c, header, error_body.bytes());
         c.wait_all();
@@ -104,7 +116,7 @@ void send(collective<Group>& c, const T& value, same_host_state* same_host = nul
     header.fingerprint = fingerprint_of<T>;
     header.payload_bytes = plan.payload_bytes();
     header.slot_count = transferred_slot_count(plan.slots());
-    header.flags = (opts.checksum ? payload_checksums : 0) | (layout ? shared_segment : 0);
+    header.flags = (opts.checksum ? payload_checksums : 0) | (layout ? shared_segment : 0) | path_flags;
     send_frame(c, header, body.bytes());
     send_payload(c, plan, header);
 }

@@ -6,17 +6,21 @@
 //   a name in a file system (a SIGKILL leaks nothing; the name vanishes with the socket). The
 //   listening socket is closed as soon as every follower is accepted.
 // - Who shares a host: boot id, user and network namespace (an abstract socket lives in one)
-//   must match the root's, and the connect must succeed. Every rank states its result in a
-//   broadcast of its own, so every rank sees the same flags and takes the same decision - no
-//   rank ever decides by a timeout. The root confirms in one last broadcast.
+//   must match the root's, and the connect must succeed. Every rank states its result and its
+//   options.transport in a broadcast of its own, so every rank sees the same answers and takes
+//   the same decision - no rank ever decides by a timeout. The root confirms in one last
+//   broadcast.
 // - Messages: before the frame of a batch the root sends one message with the descriptors of
-//   every segment the batch lies in (SCM_RIGHTS) and their ids; a follower answers "released"
-//   per segment when the last storage over it is gone.
+//   every segment the batch lies in (SCM_RIGHTS), their ids and the broadcast's number; a
+//   follower answers "released" (or "forked") with segment ids when the last storage over them
+//   is gone. Answers never block a deleter (follower_link), the root reads them at every
+//   broadcast, and every other wait on these sockets is bounded by options.timeout.
 #pragma once
 
 #include "../error.hpp"
 #include "../options.hpp"
 #include "collective.hpp"
+#include "fork_safety.hpp"
 #include "frame.hpp"
 #include "group_state.hpp"
 #include "shm_pool.hpp"
@@ -49,7 +53,10 @@
 namespace spbcast::detail {
 
 inline constexpr std::uint32_t shm_message_magic = 0x4D485353;  // "SSHM"
-enum class shm_message_kind : std::uint32_t { hello = 1, segments = 2, released = 3 };
+// hello: a follower's first message (its rank). segments: the descriptors of one broadcast,
+// sent before its frame. released / forked: a follower's answers, several ids each; forked
+// means a child forked since the segment was mapped may still map it (fork_safety.hpp).
+enum class shm_message_kind : std::uint32_t { hello = 1, segments = 2, released = 3, forked = 4 };
 // The most segments one batch lies in (its own and the leader's shared allocations, see
 // shm_allocator.hpp); further shared allocations of a batch are copied into its own segment.
 inline constexpr std::size_t max_batch_segments = 32;
@@ -57,23 +64,28 @@ inline constexpr std::size_t max_batch_segments = 32;
 struct shm_message {
     std::uint32_t magic = shm_message_magic;
     shm_message_kind kind = shm_message_kind::hello;
-    std::uint64_t sequence = 0;  // the broadcast it belongs to (segments), or the rank (hello)
-    std::uint64_t segment = 0;   // released: which one
-    std::uint32_t count = 0;     // segments: descriptors attached, one per id below
-    std::uint32_t reserved = 0;
+    // segments: the broadcast whose frame it precedes - the one key that keeps the stream in
+    // step with the frames (take_segments). hello: the follower's rank.
+    std::uint64_t sequence = 0;
+    std::uint32_t count = 0;        // ids below
+    std::uint32_t descriptors = 0;  // attached (SCM_RIGHTS), one per id, for segments
     std::uint64_t ids[max_batch_segments] = {};
 };
-static_assert(sizeof(shm_message) == 32 + 8 * max_batch_segments);
+static_assert(sizeof(shm_message) == 24 + 8 * max_batch_segments);
 
-// Sends `m` with `fds` attached. Never raises SIGPIPE.
-inline bool send_message(int sock, const shm_message& m, const std::vector<int>& fds = {}) {
+enum class send_status { sent, would_block, failed };
+
+// Sends `m` with `fds` attached, waiting at most `timeout` for room in the socket (negative:
+// not at all). Never raises SIGPIPE, never blocks past the bound.
+inline send_status send_message(int sock, const shm_message& m, const std::vector<int>& fds,
+                                std::chrono::milliseconds timeout) {
+    if (fds.size() > max_batch_segments || sock < 0) return send_status::failed;
     iovec iov{const_cast<shm_message*>(&m), sizeof m};
     msghdr msg{};
     msg.msg_iov = &iov;
     msg.msg_iovlen = 1;
     alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * max_batch_segments)] = {};
     if (!fds.empty()) {
-        if (fds.size() > max_batch_segments) return false;
         msg.msg_control = control;
         msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
         cmsghdr* c = CMSG_FIRSTHDR(&msg);
@@ -82,22 +94,33 @@ inline bool send_message(int sock, const shm_message& m, const std::vector<int>&
         c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
         std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
     }
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (;;) {
-        const ssize_t n = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
-        if (n == static_cast<ssize_t>(sizeof m)) return true;
+        const ssize_t n = ::sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n == static_cast<ssize_t>(sizeof m)) return send_status::sent;
         if (n < 0 && errno == EINTR) continue;
-        return false;
+        if (n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) return send_status::failed;
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+        if (timeout.count() < 0 || left.count() <= 0) return send_status::would_block;
+        pollfd p{sock, POLLOUT, 0};
+        ::poll(&p, 1, static_cast<int>(std::min<std::int64_t>(left.count(), 1000)));
     }
 }
+inline bool send_message(int sock, const shm_message& m, std::chrono::milliseconds timeout) {
+    return send_message(sock, m, {}, timeout) == send_status::sent;
+}
 
-enum class receive_status { ok, closed, timed_out, malformed };
+// truncated: the message arrived whole, but the kernel dropped its descriptors (MSG_CTRUNC:
+// this process is at its descriptor limit); its ids are valid.
+enum class receive_status { ok, closed, timed_out, malformed, truncated };
 
 // Receives one message within `timeout` (negative: do not wait). Every descriptor that arrives
-// is either returned in `fds` (as many as the message counts) or closed here, so nothing a peer
+// is either returned in `fds` (as many as the message says) or closed here, so nothing a peer
 // sends can leak.
-inline receive_status receive_message(int sock, shm_message& m, std::vector<unique_fd>& fds_out,
+inline receive_status receive_message(int sock, shm_message& m, std::vector<owned_fd>& fds_out,
                                       std::chrono::milliseconds timeout) {
     fds_out.clear();
+    if (sock < 0) return receive_status::closed;
     pollfd p{sock, POLLIN, 0};
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (;;) {
@@ -119,29 +142,24 @@ inline receive_status receive_message(int sock, shm_message& m, std::vector<uniq
     do n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
     while (n < 0 && errno == EINTR);
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return receive_status::timed_out;
-    std::vector<int> fds;
+    std::vector<owned_fd> fds;
     for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
         if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
         const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
         for (std::size_t i = 0; i < count; ++i) {
             int received;
             std::memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof received);
-            fds.push_back(received);
+            fds.emplace_back(received);
         }
     }
-    auto close_all = [&] {
-        for (int f : fds) ::close(f);
-    };
-    if (n == 0) {
-        close_all();
-        return receive_status::closed;
-    }
-    if (n != static_cast<ssize_t>(sizeof m) || m.magic != shm_message_magic ||
-        (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || fds.size() != m.count) {
-        close_all();
-        return n < 0 ? receive_status::closed : receive_status::malformed;
-    }
-    for (int f : fds) fds_out.emplace_back(f);
+    if (n == 0) return receive_status::closed;
+    if (n < 0) return receive_status::closed;
+    if (n != static_cast<ssize_t>(sizeof m) || m.magic != shm_message_magic || (msg.msg_flags & MSG_TRUNC) ||
+        m.count > max_batch_segments || m.descriptors > m.count)
+        return receive_status::malformed;
+    if (msg.msg_flags & MSG_CTRUNC) return receive_status::truncated;
+    if (fds.size() != m.descriptors) return receive_status::malformed;
+    fds_out = std::move(fds);
     return receive_status::ok;
 }
 
@@ -185,45 +203,82 @@ inline sockaddr_un abstract_address(const std::string& name, socklen_t& length) 
 
 class follower_link {
 public:
-    explicit follower_link(unique_fd sock) : sock_(std::move(sock)) {}
+    explicit follower_link(owned_fd sock) : sock_(std::move(sock)) {}
 
     int socket() const { return sock_.get(); }
 
-    // Called from a storage deleter, on any thread. A root that is gone needs no answer, and
-    // neither does a forked child's copy of a batch: the parent still maps the segment.
-    void report_released(std::uint64_t segment) {
+    // Called from a storage deleter, on any thread, at any moment: it never waits. What the
+    // socket has no room for now stays in a local backlog, sent with the next report or
+    // broadcast. A forked child's copy of a batch reports nothing: it has no socket
+    // (fork_safety.hpp), and the parent still maps the segment.
+    void report(std::uint64_t segment, bool forked) {
+        if (::getpid() != owner_) return;  // before the lock: another thread may have held it at the fork
         std::lock_guard<std::mutex> lock(mutex_);
-        if (!sock_ || ::getpid() != owner_) return;
-        shm_message m;
-        m.kind = shm_message_kind::released;
-        m.segment = segment;
-        send_message(sock_.get(), m);
+        if (!sock_) return;  // a root that is gone needs no answer
+        (forked ? forked_ : released_).push_back(segment);
+        flush_locked();
     }
 
-    // After a transport failure: no more reports; the socket closes now, not when the last
-    // storage of this group's batches goes.
+    // At every broadcast: what the backlog holds.
+    void flush() {
+        if (::getpid() != owner_) return;
+        std::lock_guard<std::mutex> lock(mutex_);
+        flush_locked();
+    }
+
+    // After a transport failure or when the same-host path ends: no more reports; the socket
+    // closes now, not when the last storage of this group's batches goes.
     void close() {
+        if (::getpid() != owner_) return;
         std::lock_guard<std::mutex> lock(mutex_);
         sock_.reset();
+        released_.clear();
+        forked_.clear();
+    }
+
+    std::size_t backlog() {
+        std::lock_guard<std::mutex> lock(mutex_);
+        return released_.size() + forked_.size();
     }
 
 private:
+    void flush_locked() {
+        for (auto* ids : {&forked_, &released_}) {
+            while (!ids->empty()) {
+                shm_message m;
+                m.kind = ids == &forked_ ? shm_message_kind::forked : shm_message_kind::released;
+                m.count = static_cast<std::uint32_t>(std::min(ids->size(), max_batch_segments));
+                std::copy(ids->end() - m.count, ids->end(), m.ids);
+                const auto status = send_message(sock_.get(), m, {}, std::chrono::milliseconds(-1));
+                if (status == send_status::would_block) return;  // the root reads at its next broadcast
+                if (status == send_status::failed) {  // the root is gone
+                    forked_.clear();
+                    released_.clear();
+                    return;
+                }
+                ids->resize(ids->size() - m.count);
+            }
+        }
+    }
+
     std::mutex mutex_;
-    unique_fd sock_;
+    owned_fd sock_;
+    std::vector<std::uint64_t> released_, forked_;
     const pid_t owner_ = ::getpid();
 };
 
 // A follower's private mapping of one segment; unmapped, and reported to the root, when the
-// last storage over it goes.
+// last storage over it goes - as forked when a child forked since may still map it.
 struct shm_mapping {
     void* data = nullptr;
     std::size_t bytes = 0;
     std::uint64_t segment = 0;
     std::shared_ptr<follower_link> link;
+    std::uint64_t forks_at_birth = fork_generation();
 
     ~shm_mapping() {
         if (data) ::munmap(data, bytes);
-        if (link) link->report_released(segment);
+        if (link) link->report(segment, fork_generation() != forks_at_birth);
     }
 };
 
@@ -232,63 +287,72 @@ struct shm_mapping {
 
 struct root_link {
     int rank = -1;
-    unique_fd sock;
+    owned_fd sock;
     std::multiset<std::uint64_t> held;  // segments this follower maps (or has not yet answered)
     bool alive = true;
 };
 
 // What one rank knows about the same-host path of one (group, root).
 struct same_host_state {
-    bool shared = false;       // the handshake chose the same-host path
+    bool shared = false;       // the handshake chose the same-host path, and it has not ended
     std::string why_not;       // when not: the reasons, for transport_mode::shared_memory
     // Root:
     std::vector<root_link> links;
+    std::string lost;          // why a link was lost since the last broadcast: the path ends
     // Follower:
     std::shared_ptr<follower_link> link;
 
-    // Reads every "released" message waiting on the root's sockets. A follower whose socket
-    // closed has died: its segments are never written again (orphaned).
+    // Reads every answer waiting on the root's sockets, at every broadcast. A follower whose
+    // socket closed or sent nonsense has died or lost step: its link is dropped, and the path
+    // ends with this broadcast (send.hpp).
     void collect_releases() {
         auto& pool = shm_pool::instance();
         for (root_link& l : links) {
             while (l.alive) {
                 shm_message m;
-                std::vector<unique_fd> stray;
+                std::vector<owned_fd> stray;
                 const auto status = receive_message(l.sock.get(), m, stray, std::chrono::milliseconds(-1));
                 if (status == receive_status::timed_out) break;
-                if (status != receive_status::ok || m.kind != shm_message_kind::released) {
-                    drop_link(l);
+                const bool answer = m.kind == shm_message_kind::released || m.kind == shm_message_kind::forked;
+                if (status != receive_status::ok || !answer) {
+                    drop_link(l, status == receive_status::closed ? "its socket closed" : "it sent a malformed message");
                     break;
                 }
-                auto it = l.held.find(m.segment);
-                if (it == l.held.end()) continue;
-                l.held.erase(it);
-                pool.release(m.segment);
+                for (std::uint32_t i = 0; i < m.count; ++i) {
+                    auto it = l.held.find(m.ids[i]);
+                    if (it == l.held.end()) continue;
+                    l.held.erase(it);
+                    if (m.kind == shm_message_kind::forked)
+                        pool.forget(m.ids[i]);
+                    else
+                        pool.release_follower(m.ids[i]);
+                }
             }
         }
     }
 
-    void drop_link(root_link& l) {
+    // A follower that can no longer answer may still map what it holds: forgotten.
+    void drop_link(root_link& l, const std::string& why) {
         auto& pool = shm_pool::instance();
-        for (std::uint64_t id : l.held) pool.orphan(id);
+        for (std::uint64_t id : l.held) pool.forget(id);
         l.held.clear();
         l.sock.reset();
+        if (l.alive && lost.empty()) lost = "the same-host link to rank " + std::to_string(l.rank) + " was lost (" + why + ")";
         l.alive = false;
     }
 
-    // After a transport failure: every socket closes, every segment still mapped elsewhere is
-    // forgotten.
-    void tear_down() {
-        for (root_link& l : links) drop_link(l);
+    // The same-host path of this (group, root) ends, on this rank: every socket closes, every
+    // segment still mapped elsewhere is forgotten; later broadcasts take the network path.
+    void end_path(const std::string& why) {
+        for (root_link& l : links) drop_link(l, why);
+        links.clear();
         if (link) link->close();
         link.reset();
+        if (shared) why_not = why;
         shared = false;
     }
 
-    ~same_host_state() {
-        for (root_link& l : links) drop_link(l);
-        if (link) link->close();
-    }
+    ~same_host_state() { end_path("the group is gone"); }
 };
 
 // Per (group, root) state. A c10d group (an intrusive_ptr_target: ProcessGroup, Backend,
@@ -303,6 +367,7 @@ public:
         static auto* r = new same_host_registry();
         return *r;
     }
+    same_host_registry() { fork_safety::instance().hold_across_fork(mutex_); }
 
     // A weak reference to `g` when it is a reference-counted c10 object, else nothing.
     template <class G>
@@ -343,7 +408,7 @@ public:
             states_.erase(it);
             last = states_.empty();
         }
-        s->tear_down();
+        s->end_path("a broadcast on this group failed");
         if (last) shm_pool::instance().release_free();
     }
     void drop_all() {
@@ -352,7 +417,7 @@ public:
             std::lock_guard<std::mutex> lock(mutex_);
             states.swap(states_);
         }
-        for (auto& [key, e] : states) e.state->tear_down();
+        for (auto& [key, e] : states) e.state->end_path("the same-host channels were closed");
         shm_pool::instance().release_free();
     }
 
@@ -378,7 +443,7 @@ private:
             }
             last = !dead.empty() && states_.empty();
         }
-        for (auto& e : dead) e.state->tear_down();
+        for (auto& e : dead) e.state->end_path("the same-host channels were closed");
         if (last) shm_pool::instance().release_free();
     }
 
@@ -395,7 +460,26 @@ struct handshake_offer {
     host_identity host;
     char name[64] = {};         // abstract socket name
     char why_not[128] = {};
+    std::uint32_t transport = 0;  // the root's options.transport
+    std::uint32_t reserved = 0;
 };
+
+// A follower's answer to the offer, in a broadcast of its own.
+struct handshake_answer {
+    std::uint8_t connected = 0;
+    std::uint8_t transport = 0;  // this rank's options.transport
+    char why_not[126] = {};
+};
+static_assert(sizeof(handshake_answer) == 128);
+
+inline const char* transport_name(transport_mode m) {
+    switch (m) {
+        case transport_mode::automatic: return "transport_mode::automatic";
+        case transport_mode::network: return "transport_mode::network";
+        case transport_mode::shared_memory: return "transport_mode::shared_memory";
+    }
+    return "an unknown transport_mode";
+}
 
 // Whether this process can create, seal and map a segment at all.
 inline std::string probe_segments() {
@@ -422,6 +506,7 @@ inline at::Tensor offer_frame(const handshake_offer& offer, std::uint64_t sequen
     at::Tensor first = at::zeros({static_cast<std::int64_t>(inline_frame_bytes)}, at::kByte);
     frame_header header;
     header.status = static_cast<std::uint16_t>(frame_status::same_host_offer);
+    header.flags = transport_flag(static_cast<transport_mode>(offer.transport));
     header.body_bytes = sizeof offer;
     header.body_checksum = checksum64(&offer, sizeof offer);
     header.sequence = sequence;
@@ -432,153 +517,205 @@ inline at::Tensor offer_frame(const handshake_offer& offer, std::uint64_t sequen
     return first;
 }
 
+// The offer inside a first message, if that message is one.
+inline std::optional<handshake_offer> offer_in(const at::Tensor& first) {
+    const auto* in = first.data_ptr<std::uint8_t>();
+    frame_header header;
+    std::memcpy(&header, in, sizeof header);
+    const bool valid = header.magic == frame_magic && header.header_checksum == header.compute_checksum();
+    handshake_offer offer;
+    if (!valid || header.status != static_cast<std::uint16_t>(frame_status::same_host_offer) ||
+        header.body_bytes != sizeof offer)
+        return std::nullopt;
+    std::memcpy(&offer, in + sizeof header, sizeof offer);
+    if (checksum64(&offer, sizeof offer) != header.body_checksum) return std::nullopt;
+    return offer;
+}
+
 // A follower's wait for the offer. A root that does not run the handshake now (it broadcasts
-// through another object for the same communicator, which has made its own decision) sends its
-// frame instead: that frame is returned in `frame`, and this broadcast takes the network path.
+// through another object for the same communicator, which has made its own decision, or on a
+// transport it is not tracked for) sends its frame instead: that frame is returned in `frame`,
+// and this broadcast takes the network path.
 template <class Group>
 std::optional<handshake_offer> receive_offer(collective<Group>& c, at::Tensor& frame) {
     at::Tensor first = at::empty({static_cast<std::int64_t>(inline_frame_bytes)}, at::kByte);
-    const auto* in = first.data_ptr<std::uint8_t>();
-    frame_header header;
     for (;;) {
-        c.run(first, "same-host handshake: the root's offer", c.opts().root_wait_or_timeout());
-        std::memcpy(&header, in, sizeof header);
-        const bool valid = header.magic == frame_magic && header.header_checksum == header.compute_checksum();
-        if (valid && header.status == static_cast<std::uint16_t>(frame_status::keep_alive) && header.body_bytes == 0)
-            continue;
-        handshake_offer offer;
-        if (valid && header.status == static_cast<std::uint16_t>(frame_status::same_host_offer) &&
-            header.body_bytes == sizeof offer) {
-            std::memcpy(&offer, in + sizeof header, sizeof offer);
-            if (checksum64(&offer, sizeof offer) == header.body_checksum) return offer;
-        }
+        // The first message of the broadcast, whichever it is: named as a frame wait.
+        c.run(first, "frame", c.opts().root_wait_or_timeout());
+        frame_header header;
+        std::memcpy(&header, first.data_ptr<std::uint8_t>(), sizeof header);
+        if (is_keep_alive(header)) continue;
+        if (auto offer = offer_in(first)) return offer;
         frame = first;  // the root's frame, or a damaged message receive_frame reports
         return std::nullopt;
     }
 }
 
-// Returns null, with the root's first frame in `early_frame`, when the root sent its frame
-// instead of an offer (see receive_offer); nothing is decided then.
+// Root, step 1: what it offers, and the socket followers connect to.
+inline handshake_offer make_offer(const options& opts, const host_identity& me, owned_fd& listener) {
+    handshake_offer offer;
+    offer.host = me;
+    offer.transport = static_cast<std::uint32_t>(opts.transport);
+    std::string why = me.known() ? probe_segments() : "cannot read this host's identity";
+    const std::string name = "spbcast-" + random_nonce() + "-" + std::to_string(::getpid());
+    if (why.empty()) {
+        listener.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+        socklen_t length;
+        sockaddr_un addr = abstract_address(name, length);
+        if (!listener || ::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), length) != 0 ||
+            ::listen(listener.get(), SOMAXCONN) != 0)
+            why = "cannot listen on an abstract Unix socket: " + errno_text(errno);
+    }
+    offer.root_ok = why.empty() ? 1 : 0;
+    std::strncpy(offer.name, name.c_str(), sizeof offer.name - 1);
+    std::strncpy(offer.why_not, why.c_str(), sizeof offer.why_not - 1);
+    return offer;
+}
+
+// Follower, step 2: connects to the root's socket when it may; the answer says how it went.
+inline handshake_answer connect_to_root(const handshake_offer& offer, const options& opts, const host_identity& me,
+                                        int rank, owned_fd& sock) {
+    handshake_answer answer;
+    answer.transport = static_cast<std::uint8_t>(opts.transport);
+    std::string why;
+    if (!offer.root_ok || offer.transport != static_cast<std::uint32_t>(opts.transport)) {
+        why = "not asked";
+    } else if (!(offer.host == me)) {
+        why = std::memcmp(offer.host.boot_id, me.boot_id, sizeof me.boot_id) != 0 ? "another host (boot id differs)"
+              : offer.host.uid != me.uid                                          ? "another user"
+                                                                                  : "another network namespace";
+    } else {
+        sock.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+        socklen_t length;
+        sockaddr_un addr = abstract_address(std::string(offer.name, strnlen(offer.name, sizeof offer.name)), length);
+        shm_message hello;
+        hello.kind = shm_message_kind::hello;
+        hello.sequence = static_cast<std::uint64_t>(rank);
+        if (!sock || ::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), length) != 0)
+            why = "cannot connect to the root's socket: " + errno_text(errno);
+        else if (!send_message(sock.get(), hello, opts.timeout))
+            why = "cannot write to the root's socket: " + errno_text(errno);
+        if (!why.empty()) sock.reset();
+    }
+    answer.connected = sock ? 1 : 0;
+    std::memcpy(answer.why_not, why.data(), std::min(why.size(), sizeof answer.why_not - 1));
+    return answer;
+}
+
+// Root, step 3: accepts every follower (all connected before they said so). Returns the links,
+// or none and the reason.
+inline std::vector<root_link> accept_followers(int listener, int size, int root, std::chrono::milliseconds timeout,
+                                               std::string& why) {
+    std::vector<root_link> links;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (int i = 0; i < size - 1; ++i) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+        pollfd p{listener, POLLIN, 0};
+        if (left.count() <= 0 || ::poll(&p, 1, static_cast<int>(std::min<std::int64_t>(left.count(), 10000))) != 1) {
+            why = "a follower's connection did not arrive";
+            return {};
+        }
+        owned_fd conn(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC));
+        ucred cred{};
+        socklen_t len = sizeof cred;
+        shm_message hello;
+        std::vector<owned_fd> stray;
+        const auto is_taken = [&](int r) {
+            return std::any_of(links.begin(), links.end(), [&](const root_link& l) { return l.rank == r; });
+        };
+        if (!conn || ::getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.uid != ::getuid() ||
+            receive_message(conn.get(), hello, stray, timeout) != receive_status::ok ||
+            hello.kind != shm_message_kind::hello || hello.sequence >= static_cast<std::uint64_t>(size) ||
+            static_cast<int>(hello.sequence) == root || is_taken(static_cast<int>(hello.sequence))) {
+            why = "a connection to the root's socket was not a follower of this group";
+            return {};
+        }
+        root_link l;
+        l.rank = static_cast<int>(hello.sequence);
+        l.sock = std::move(conn);
+        links.push_back(std::move(l));
+    }
+    return links;
+}
+
+// The options.transport values that differ from the root's, as the message every rank raises.
+inline std::string transport_disagreement(const std::vector<transport_mode>& modes, int root) {
+    std::string out;
+    for (std::size_t r = 0; r < modes.size(); ++r)
+        if (modes[r] != modes[static_cast<std::size_t>(root)])
+            out += std::string(out.empty() ? "" : ", ") + transport_name(modes[r]) + " on rank " + std::to_string(r);
+    if (out.empty()) return out;
+    return "options.transport differs between ranks: " + std::string(transport_name(modes[static_cast<std::size_t>(root)])) +
+           " on the root (rank " + std::to_string(root) + "), " + out +
+           "; pass the same options.transport on every rank (no batch was sent; the group stays usable)";
+}
+
+// The same-host decision of one (group, root), taken by every rank together from the same data
+// in a fixed sequence of broadcasts: the root's offer; each follower's answer (connected or why
+// not, and its options.transport); the root's confirmation once it accepted everyone. No rank
+// decides by a timeout. Returns null, with the root's first frame in `early_frame`, when the
+// root sent its frame instead of an offer (see receive_offer); nothing is decided then. A
+// follower that met the offer while it meant to take the network path passes it as `offer`.
+// Throws invalid_argument on every rank when the ranks' options.transport differ.
 template <class Group>
 std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options& opts, group_state& gstate,
-                                                     std::uint64_t sequence, at::Tensor& early_frame) {
+                                                     std::uint64_t sequence, at::Tensor& early_frame,
+                                                     std::optional<handshake_offer> offer = std::nullopt) {
     const int rank = group.getRank(), size = group.getSize(), root = opts.root;
-    auto state = std::make_shared<same_host_state>();
     const host_identity me = host_identity::of_this_process();
-
-    // 1. The root's offer.
-    unique_fd listener;
-    handshake_offer offer;
-    if (rank == root) {
-        offer.host = me;
-        std::string why = me.known() ? probe_segments() : "cannot read this host's identity";
-        const std::string name = "spbcast-" + random_nonce() + "-" + std::to_string(::getpid());
-        if (why.empty()) {
-            listener.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-            socklen_t length;
-            sockaddr_un addr = abstract_address(name, length);
-            if (!listener || ::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), length) != 0 ||
-                ::listen(listener.get(), SOMAXCONN) != 0)
-                why = "cannot listen on an abstract Unix socket: " + errno_text(errno);
-        }
-        offer.root_ok = why.empty() ? 1 : 0;
-        std::strncpy(offer.name, name.c_str(), sizeof offer.name - 1);
-        std::strncpy(offer.why_not, why.c_str(), sizeof offer.why_not - 1);
-    }
     options o = opts;
-    {
+    auto where = [&] {
+        return "spbcast: rank " + std::to_string(rank) + ": broadcast #" + std::to_string(sequence) + " from root " +
+               std::to_string(root);
+    };
+
+    owned_fd listener;
+    if (!offer) {
         collective<Group> c(group, o, gstate, sequence);
         if (rank == root) {
-            c.run(offer_frame(offer, sequence, root), "same-host handshake: the root's offer");
+            offer = make_offer(opts, me, listener);
+            c.run(offer_frame(*offer, sequence, root), "same-host handshake: the root's offer");
         } else {
-            auto received = receive_offer(c, early_frame);
-            if (!received) return nullptr;
-            offer = *received;
+            offer = receive_offer(c, early_frame);
+            if (!offer) return nullptr;
         }
     }
+    if (offer->magic != shm_message_magic) offer->root_ok = 0;
 
+    owned_fd sock;
+    const handshake_answer mine = rank == root ? handshake_answer{} : connect_to_root(*offer, opts, me, rank, sock);
+    std::vector<transport_mode> modes(static_cast<std::size_t>(size), static_cast<transport_mode>(offer->transport));
     std::vector<std::string> reasons;
-    if (offer.magic != shm_message_magic || !offer.root_ok)
+    if (!offer->root_ok)
         reasons.push_back("root (rank " + std::to_string(root) + "): " +
-                          std::string(offer.why_not, strnlen(offer.why_not, sizeof offer.why_not)));
-
-    // 2. Each follower connects and says whether it could, in a broadcast of its own.
-    unique_fd sock;
-    std::string my_why;
-    if (rank != root && offer.root_ok) {
-        if (!(offer.host == me)) {
-            my_why = std::memcmp(offer.host.boot_id, me.boot_id, sizeof me.boot_id) != 0 ? "another host (boot id differs)"
-                     : offer.host.uid != me.uid ? "another user"
-                                                : "another network namespace";
-        } else {
-            sock.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-            socklen_t length;
-            sockaddr_un addr = abstract_address(std::string(offer.name, strnlen(offer.name, sizeof offer.name)), length);
-            shm_message hello;
-            hello.kind = shm_message_kind::hello;
-            hello.sequence = static_cast<std::uint64_t>(rank);
-            if (!sock || ::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), length) != 0) {
-                my_why = "cannot connect to the root's socket: " + errno_text(errno);
-                sock.reset();
-            } else if (!send_message(sock.get(), hello)) {
-                my_why = "cannot write to the root's socket: " + errno_text(errno);
-                sock.reset();
-            }
-        }
-    }
+                          std::string(offer->why_not, strnlen(offer->why_not, sizeof offer->why_not)));
     for (int r = 0; r < size; ++r) {
         if (r == root) continue;
-        at::Tensor flag = at::zeros({128}, at::kByte);
-        if (r == rank) {
-            auto* p = flag.data_ptr<std::uint8_t>();
-            p[0] = sock ? 1 : 0;
-            std::memcpy(p + 1, my_why.data(), std::min<std::size_t>(my_why.size(), 126));
-        }
+        at::Tensor flag = at::zeros({static_cast<std::int64_t>(sizeof(handshake_answer))}, at::kByte);
+        if (r == rank) std::memcpy(flag.data_ptr(), &mine, sizeof mine);
         o.root = r;
         collective<Group> c(group, o, gstate, sequence);
         c.run(flag, "same-host handshake: rank " + std::to_string(r) + "'s answer");
-        const auto* p = flag.data_ptr<std::uint8_t>();
-        if (p[0] != 1 && offer.root_ok)
-            reasons.push_back("rank " + std::to_string(r) + ": " +
-                              std::string(reinterpret_cast<const char*>(p + 1), strnlen(reinterpret_cast<const char*>(p + 1), 126)));
+        handshake_answer answer;
+        std::memcpy(&answer, flag.data_ptr(), sizeof answer);
+        modes[static_cast<std::size_t>(r)] = static_cast<transport_mode>(answer.transport);
+        if (answer.connected != 1 && offer->root_ok)
+            reasons.push_back("rank " + std::to_string(r) + ": " + std::string(answer.why_not, strnlen(answer.why_not, sizeof answer.why_not)));
     }
+    // Every rank holds the same modes now: a disagreement is raised everywhere, before the
+    // confirmation, which nobody then sends.
+    if (const std::string disagreement = transport_disagreement(modes, root); !disagreement.empty())
+        throw error(errc::invalid_argument, where() + ": " + disagreement);
 
-    // 3. The root accepts every follower (all connected before they said so) and confirms.
+    auto state = std::make_shared<same_host_state>();
     at::Tensor confirm = at::zeros({1}, at::kByte);
     if (rank == root && reasons.empty()) {
-        std::vector<root_link> links;
         std::string why;
-        for (int i = 0; i < size - 1 && why.empty(); ++i) {
-            pollfd p{listener.get(), POLLIN, 0};
-            if (::poll(&p, 1, static_cast<int>(std::min<std::int64_t>(opts.timeout.count(), 10000))) != 1) {
-                why = "a follower's connection did not arrive";
-                break;
-            }
-            unique_fd conn(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-            ucred cred{};
-            socklen_t len = sizeof cred;
-            shm_message hello;
-            std::vector<unique_fd> stray;
-            if (!conn || ::getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
-                cred.uid != ::getuid() ||
-                receive_message(conn.get(), hello, stray, std::chrono::milliseconds(10000)) != receive_status::ok ||
-                hello.kind != shm_message_kind::hello || hello.sequence >= static_cast<std::uint64_t>(size) ||
-                static_cast<int>(hello.sequence) == root ||
-                std::any_of(links.begin(), links.end(), [&](const root_link& l) { return l.rank == static_cast<int>(hello.sequence); })) {
-                why = "a connection to the root's socket was not a follower of this group";
-                break;
-            }
-            root_link l;
-            l.rank = static_cast<int>(hello.sequence);
-            l.sock = std::move(conn);
-            links.push_back(std::move(l));
-        }
-        if (why.empty()) {
-            state->links = std::move(links);
+        state->links = accept_followers(listener.get(), size, root, opts.timeout, why);
+        if (why.empty())
             confirm.data_ptr<std::uint8_t>()[0] = 1;
-        } else {
+        else
             reasons.push_back("root (rank " + std::to_string(root) + "): " + why);
-        }
     }
     listener.reset();  // the name disappears; nobody else can connect
     o.root = root;

@@ -2,18 +2,20 @@
 // loader allocates tensors in (shm_allocator.hpp).
 //
 // Filling fresh shared pages costs a fault and a kernel clear per page on top of the copy, so a
-// segment that every follower has let go of is filled again for a later batch instead of being
-// freed (copying into resident pages). A segment is "held" while any follower still maps it
-// (it said so over its socket) or a tensor of the root's own lives in it; the root never writes
-// into a segment a follower holds, because a follower's private mapping shows the root's
-// writes to pages that follower has not written itself.
+// segment that nobody can map any more is filled again for a later batch instead of being
+// freed (copying into resident pages). Who may still map a segment is its segment_holders: the
+// recycling invariant (README: "The same-host path") lives there.
 //
-// Bounded like the receive cache: free segments that the next batches did not reuse are freed,
-// free bytes never exceed the limit, and release() frees every free segment at once.
+// Bounded three ways (shared_memory_limits): free bytes, free segments, and every segment the
+// pool tracks - each costs a descriptor and a mapping on the root. Past the last bound the pool
+// forgets the oldest segments that only followers hold: it closes its descriptor and mapping,
+// the followers keep their pages, and the kernel frees them when the last mapping goes.
 #pragma once
 
+#include "fork_safety.hpp"
 #include "shm_segment.hpp"
 
+#include <cassert>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -33,11 +35,29 @@ struct shm_pool_stats {
     std::size_t network_fallbacks = 0;  // batches sent over the network: no segment available
     std::size_t tensors_allocated = 0;  // tensors the root allocated in segments (shm_allocator.hpp)
     std::size_t tensors_shared = 0;     // of those, sent without a copy (their segment handed over)
+    std::size_t segments = 0;           // segments tracked now: one descriptor and one mapping each
+    std::size_t segments_forgotten = 0; // left to their mappers (a fork, a bound, a lost link)
+};
+
+// The pool's bounds (spbcast::set_shared_memory_limits).
+struct shm_pool_limits {
+    std::size_t free_bytes = std::size_t{2} << 30;
+    std::size_t free_segments = 16;
+    std::size_t segments = 256;
+};
+
+// Who may still map a segment. The recycling invariant: a segment is refilled only when
+// may_refill() - no follower maps it or owes an answer for it, and no tensor of the root's own
+// lives in it. A segment that a forked child may map is never refilled: it is forgotten
+// (shm_pool::forget), so it has no holders entry at all.
+struct segment_holders {
+    int followers = 0;         // mappings not yet reported released, one per follower and batch
+    bool root_tensor = false;  // a root tensor allocated in it (shm_allocator.hpp) is alive
+    bool may_refill() const { return followers == 0 && !root_tensor; }
 };
 
 class shm_pool {
 public:
-    static constexpr std::size_t default_limit = std::size_t{2} << 30;
     static constexpr std::size_t rounding = std::size_t{64} << 10;
     // A free segment the next two batches did not reuse is freed (sizes that stopped coming).
     static constexpr std::uint64_t max_idle_batches = 2;
@@ -57,11 +77,12 @@ public:
 
     // A batch begins: free segments that the last batches did not reuse are freed.
     void next_batch() {
+        if (!owner()) return;
         std::lock_guard<std::mutex> lock(mutex_);
         ++clock_;
         for (auto it = segments_.begin(); it != segments_.end();) {
             entry& e = it->second;
-            if (e.holders == 0 && clock_ - e.returned_at > max_idle_batches) {
+            if (e.holders.may_refill() && clock_ - e.returned_at > max_idle_batches) {
                 cached_ -= e.segment.capacity();
                 it = segments_.erase(it);
             } else {
@@ -70,30 +91,134 @@ public:
         }
     }
 
+    // A segment of at least `bytes` for a batch that `followers` followers will map.
+    lease acquire_for_batch(std::size_t bytes, int followers, std::string& why_not) {
+        return acquire(bytes, {followers, false}, why_not);
+    }
+    // A segment for one tensor of the root's own.
+    lease acquire_for_tensor(std::size_t bytes, std::string& why_not) {
+        return acquire(bytes, {0, true}, why_not);
+    }
+
+    // `count` more followers map segment `id` (a root's tensor in it was handed over).
+    void hold(std::uint64_t id, int count) {
+        if (!owner()) return;
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (auto it = segments_.find(id); it != segments_.end()) it->second.holders.followers += count;
+    }
+
+    void count_tensor(bool shared) {
+        if (!owner()) return;
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++(shared ? tensors_shared_ : tensors_allocated_);
+    }
+
+    void count_network_fallback() {
+        if (!owner()) return;
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++fallbacks_;
+    }
+
+    // A follower let go of segment `id` (it unmapped it, or never mapped it).
+    void release_follower(std::uint64_t id) {
+        update(id, [](segment_holders& h) {
+            if (h.followers > 0) --h.followers;
+        });
+    }
+    // The root's tensor in segment `id` was freed.
+    void release_tensor(std::uint64_t id) {
+        update(id, [](segment_holders& h) { h.root_tensor = false; });
+    }
+
+    // Segment `id` may be mapped by a process that cannot report (a forked child, a follower
+    // whose connection is gone): it is never written again. The pool closes its own descriptor
+    // and mapping; the kernel frees the pages with the last mapping elsewhere.
+    void forget(std::uint64_t id) {
+        if (!owner()) return;
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto it = segments_.find(id);
+        if (it == segments_.end()) return;
+        if (it->second.holders.may_refill()) cached_ -= it->second.segment.capacity();
+        segments_.erase(it);
+        ++forgotten_;
+    }
+
+    void set_limits(const shm_pool_limits& limits) {
+        if (!owner()) return;
+        std::lock_guard<std::mutex> lock(mutex_);
+        limits_ = limits;
+        trim_locked(limits_.free_bytes, limits_.free_segments);
+    }
+    shm_pool_limits limits() {
+        std::lock_guard<std::mutex> lock(mutex_);
+        return limits_;
+    }
+
+    // Frees every free segment now.
+    void release_free() {
+        if (!owner()) return;
+        std::lock_guard<std::mutex> lock(mutex_);
+        trim_locked(0, 0);
+    }
+
+    shm_pool_stats statistics() {
+        std::lock_guard<std::mutex> lock(mutex_);
+        shm_pool_stats s;
+        s.limit_bytes = limits_.free_bytes;
+        s.cached_bytes = cached_;
+        for (auto& [id, e] : segments_)
+            if (!e.holders.may_refill()) s.held_bytes += e.segment.capacity();
+        s.segments_reused = reused_;
+        s.segments_created = created_;
+        s.network_fallbacks = fallbacks_;
+        s.tensors_allocated = tensors_allocated_;
+        s.tensors_shared = tensors_shared_;
+        s.segments = segments_.size();
+        s.segments_forgotten = forgotten_;
+        return s;
+    }
+
+private:
+    struct entry {
+        std::uint64_t id = 0;
+        shm_segment segment;
+        segment_holders holders;
+        std::uint64_t returned_at = 0;
+    };
+
+    shm_pool() { fork_safety::instance().hold_across_fork(mutex_); }
+
+    // A forked child (a loader worker) holds a copy of this pool whose descriptors and
+    // mappings it does not have (fork_safety.hpp): it never uses it. Checked before locking.
+    bool owner() const { return ::getpid() == owner_; }
+
     // A free segment of at least `bytes` (reused when one fits without wasting more than a
     // quarter or 2 MiB: followers map only the bytes in use, so the slack costs nobody new
-    // memory), or a new one; marked held by `holders`. On failure an empty lease and the
-    // reason.
-    lease acquire(std::size_t bytes, int holders, std::string& why_not) {
-        const std::size_t need = std::max<std::size_t>((bytes + rounding - 1) / rounding * rounding, rounding);
-        std::lock_guard<std::mutex> lock(mutex_);
-        // A forked child (a loader worker) holds a copy of this pool: a segment free here may be
-        // filled by the parent at any time, so the child never uses one.
-        if (::getpid() != owner_) {
+    // memory), or a new one, held by `holders`. On failure an empty lease and the reason.
+    lease acquire(std::size_t bytes, segment_holders holders, std::string& why_not) {
+        if (!owner()) {
             why_not = "this process was forked from the one that owns the segment pool";
             return {};
         }
+        const std::size_t need = std::max<std::size_t>((bytes + rounding - 1) / rounding * rounding, rounding);
+        std::lock_guard<std::mutex> lock(mutex_);
         entry* best = nullptr;
         for (auto& [id, e] : segments_)
-            if (e.holders == 0 && e.segment.capacity() >= need &&
+            if (e.holders.may_refill() && e.segment.capacity() >= need &&
                 e.segment.capacity() - need <= std::max(need / 4, std::size_t{2} << 20) &&
                 (!best || e.segment.capacity() < best->segment.capacity()))
                 best = &e;
         if (best) {
+            assert(best->holders.may_refill());  // the recycling invariant
             cached_ -= best->segment.capacity();
             best->holders = holders;
             ++reused_;
             return {best->id, best->segment.fd(), best->segment.data(), best->segment.capacity()};
+        }
+        if (!make_room_locked()) {
+            why_not = "the pool tracks limits.segments = " + std::to_string(limits_.segments) +
+                      " segments, each held by a tensor of this process";
+            return {};
         }
         shm_segment segment = shm_segment::create(need, why_not);
         if (!segment) return {};
@@ -106,90 +231,49 @@ public:
         return {id, e.segment.fd(), e.segment.data(), e.segment.capacity()};
     }
 
-    // `count` more followers hold segment `id` (a root's tensor in it was handed over).
-    void hold(std::uint64_t id, int count) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (auto it = segments_.find(id); it != segments_.end()) it->second.holders += count;
-    }
-
-    void count_tensor(bool shared) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        ++(shared ? tensors_shared_ : tensors_allocated_);
-    }
-
-    void count_network_fallback() {
-        std::lock_guard<std::mutex> lock(mutex_);
-        ++fallbacks_;
-    }
-
-    // One holder let go of segment `id`: a follower unmapped it (or never mapped it), or the
-    // root's tensor in it was freed.
-    void release(std::uint64_t id) {
+    template <class F>
+    void update(std::uint64_t id, F change) {
+        if (!owner()) return;
         std::lock_guard<std::mutex> lock(mutex_);
         auto it = segments_.find(id);
-        if (it == segments_.end() || it->second.holders <= 0) return;
-        if (--it->second.holders != 0) return;
+        if (it == segments_.end() || it->second.holders.may_refill()) return;
+        change(it->second.holders);
+        if (!it->second.holders.may_refill()) return;
         it->second.returned_at = clock_;
         cached_ += it->second.segment.capacity();
-        trim_locked(limit_);
+        trim_locked(limits_.free_bytes, limits_.free_segments);
     }
 
-    // A segment whose holders can no longer report (their connection is gone) is never
-    // written again: the pool forgets it, and the kernel frees it with the last mapping.
-    void orphan(std::uint64_t id) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        auto it = segments_.find(id);
-        if (it == segments_.end()) return;
-        if (it->second.holders == 0) cached_ -= it->second.segment.capacity();
-        segments_.erase(it);
+    // Room for one more tracked segment: frees free ones, then forgets the oldest segments
+    // only followers hold (ids grow with time). A root tensor's segment stays.
+    bool make_room_locked() {
+        if (segments_.size() < limits_.segments) return true;
+        trim_locked(0, 0);
+        for (auto it = segments_.begin(); it != segments_.end() && segments_.size() >= limits_.segments;) {
+            if (!it->second.holders.root_tensor) {
+                it = segments_.erase(it);
+                ++forgotten_;
+            } else {
+                ++it;
+            }
+        }
+        return segments_.size() < limits_.segments;
     }
 
-    void set_limit(std::size_t bytes) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        limit_ = bytes;
-        trim_locked(limit_);
-    }
-
-    // Frees every free segment now.
-    void release_free() {
-        std::lock_guard<std::mutex> lock(mutex_);
-        trim_locked(0);
-    }
-
-    shm_pool_stats statistics() {
-        std::lock_guard<std::mutex> lock(mutex_);
-        shm_pool_stats s;
-        s.limit_bytes = limit_;
-        s.cached_bytes = cached_;
-        for (auto& [id, e] : segments_)
-            if (e.holders > 0) s.held_bytes += e.segment.capacity();
-        s.segments_reused = reused_;
-        s.segments_created = created_;
-        s.network_fallbacks = fallbacks_;
-        s.tensors_allocated = tensors_allocated_;
-        s.tensors_shared = tensors_shared_;
-        return s;
-    }
-
-private:
-    struct entry {
-        std::uint64_t id = 0;
-        shm_segment segment;
-        int holders = 0;
-        std::uint64_t returned_at = 0;
-    };
-
-    void trim_locked(std::size_t bound) {
+    void trim_locked(std::size_t max_bytes, std::size_t max_segments) {
+        std::size_t free_count = 0;
+        for (auto& [id, e] : segments_) free_count += e.holders.may_refill() ? 1 : 0;
         // Largest first: frees the most with the fewest calls.
-        while (cached_ > bound) {
+        while (cached_ > max_bytes || free_count > max_segments) {
             auto victim = segments_.end();
             for (auto it = segments_.begin(); it != segments_.end(); ++it)
-                if (it->second.holders == 0 &&
+                if (it->second.holders.may_refill() &&
                     (victim == segments_.end() || it->second.segment.capacity() > victim->second.segment.capacity()))
                     victim = it;
             if (victim == segments_.end()) break;
             cached_ -= victim->second.segment.capacity();
             segments_.erase(victim);
+            --free_count;
         }
     }
 
@@ -199,8 +283,9 @@ private:
     std::uint64_t next_id_ = 0;
     std::uint64_t clock_ = 0;
     std::size_t cached_ = 0;
-    std::size_t limit_ = default_limit;
-    std::size_t reused_ = 0, created_ = 0, fallbacks_ = 0, tensors_allocated_ = 0, tensors_shared_ = 0;
+    shm_pool_limits limits_;
+    std::size_t reused_ = 0, created_ = 0, fallbacks_ = 0, tensors_allocated_ = 0, tensors_shared_ = 0,
+                forgotten_ = 0;
 };
 
 }  // namespace spbcast::detail

@@ -19,9 +19,12 @@
 //   resident pages around it as well (fault-around), so the first touch of a batch costs no
 //   more than populating it up front would, and it is paid by each follower as it reads,
 //   instead of by the broadcast on every follower at once.
+// - The root's own filling mapping is MADV_DONTFORK: no tensor lives in it, and a forked child
+//   that kept it would see (and could write) every later batch filled into the segment.
 #pragma once
 
 #include "../error.hpp"
+#include "fork_safety.hpp"
 
 #include <fcntl.h>
 #include <linux/falloc.h>
@@ -52,34 +55,6 @@ inline constexpr int required_seals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 inline constexpr std::size_t segment_page = 4096;
 
 inline std::string errno_text(int err) { return std::string(std::strerror(err)); }
-
-// An owned file descriptor.
-class unique_fd {
-public:
-    unique_fd() = default;
-    explicit unique_fd(int fd) : fd_(fd) {}
-    unique_fd(unique_fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-    unique_fd& operator=(unique_fd&& o) noexcept {
-        if (this != &o) {
-            reset();
-            fd_ = std::exchange(o.fd_, -1);
-        }
-        return *this;
-    }
-    unique_fd(const unique_fd&) = delete;
-    unique_fd& operator=(const unique_fd&) = delete;
-    ~unique_fd() { reset(); }
-    void reset(int fd = -1) {
-        if (fd_ >= 0) ::close(fd_);
-        fd_ = fd;
-    }
-    int get() const { return fd_; }
-    int release() { return std::exchange(fd_, -1); }
-    explicit operator bool() const { return fd_ >= 0; }
-
-private:
-    int fd_ = -1;
-};
 
 inline int memfd_create_compat(const char* name, unsigned flags) {
 #if defined(SYS_memfd_create)
@@ -140,13 +115,14 @@ public:
     shm_segment& operator=(const shm_segment&) = delete;
     shm_segment(shm_segment&& o) noexcept
         : fd_(std::move(o.fd_)), data_(std::exchange(o.data_, nullptr)),
-          capacity_(std::exchange(o.capacity_, 0)) {}
+          capacity_(std::exchange(o.capacity_, 0)), owner_(o.owner_) {}
     shm_segment& operator=(shm_segment&& o) noexcept {
         if (this != &o) {
             unmap();
             fd_ = std::move(o.fd_);
             data_ = std::exchange(o.data_, nullptr);
             capacity_ = std::exchange(o.capacity_, 0);
+            owner_ = o.owner_;
         }
         return *this;
     }
@@ -162,7 +138,7 @@ public:
                       std::to_string(capacity) + " would not fit";
             return s;
         }
-        unique_fd fd(memfd_create_compat("spbcast", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+        owned_fd fd(memfd_create_compat("spbcast", MFD_CLOEXEC | MFD_ALLOW_SEALING));
         if (!fd) {
             why_not = "memfd_create failed: " + errno_text(errno);
             return s;
@@ -190,6 +166,7 @@ public:
                 why_not = "mmap failed: " + errno_text(errno);
                 return s;
             }
+            ::madvise(data, capacity, MADV_DONTFORK);
         }
         s.fd_ = std::move(fd);
         s.data_ = data;
@@ -203,14 +180,16 @@ public:
     std::size_t capacity() const { return capacity_; }
 
 private:
+    // A forked child never had this mapping (MADV_DONTFORK): the address may be its own by now.
     void unmap() {
-        if (data_) ::munmap(data_, capacity_);
+        if (data_ && ::getpid() == owner_) ::munmap(data_, capacity_);
         data_ = nullptr;
     }
 
-    unique_fd fd_;
+    owned_fd fd_;
     void* data_ = nullptr;
     std::size_t capacity_ = 0;
+    pid_t owner_ = ::getpid();
 };
 
 // Checks a segment descriptor a follower received: sealed against shrinking and growing, and
