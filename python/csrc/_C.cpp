@@ -1,8 +1,8 @@
 // The C++ half of the Python package: Python values <-> the core's dynamic value
 // (c10::IValue), and spbcast::broadcast over the c10d group behind a torch.distributed group.
 //
-// Only the core headers are included (broadcast.hpp and what it pulls); dist.hpp, loader.hpp and
-// spbcast.hpp name Gloo, whose headers a PyTorch wheel does not ship.
+// Only the core headers are included (broadcast.hpp and what it pulls, and keep_alive.hpp);
+// dist.hpp, loader.hpp and spbcast.hpp name Gloo, whose headers a PyTorch wheel does not ship.
 //
 // The Python side (python/spbcast/_wire.py) has already turned the user's object into a tree of None,
 // bool, int, float, str, bytes, CPU tensors, lists, tuples and dicts with str or int keys, and
@@ -10,13 +10,17 @@
 // tagged form handled here is bytes: an IValue string cannot tell text from bytes, so bytes
 // travel as the tuple (TAG_BYTES, string) and come back as Python bytes.
 #include <spbcast/broadcast.hpp>
+#include <spbcast/detail/keep_alive.hpp>
 
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <chrono>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -181,6 +185,33 @@ c10::intrusive_ptr<c10d::ProcessGroup> cpp_group(py::handle group, const std::st
     }
 }
 
+// The C++ group of a Python group: through torch's binding, or (use_registry, for the tests of
+// the fallback) through torch's C++ group registry.
+c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(py::handle group, const std::string& group_name,
+                                                     bool use_registry) {
+    return use_registry ? c10d::resolve_process_group(group_name) : cpp_group(group, group_name);
+}
+
+std::chrono::milliseconds to_milliseconds(double seconds) {
+    return std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(seconds * 1000.0 + 0.5)));
+}
+
+// The options of one broadcast; the Python side has validated every value. Unset seconds keep
+// the C++ defaults (timeout 5 minutes; root_wait 0, which means timeout).
+// transport: "auto", "network" or "shared_memory" (spbcast::transport_mode).
+spbcast::options make_options(int root, std::optional<double> timeout_s, std::optional<double> root_wait_s,
+                              bool checksum, const std::string& transport) {
+    spbcast::options opts;
+    opts.root = root;
+    opts.checksum = checksum;
+    opts.transport = transport == "network"         ? spbcast::transport_mode::network
+                     : transport == "shared_memory" ? spbcast::transport_mode::shared_memory
+                                                    : spbcast::transport_mode::automatic;
+    if (timeout_s) opts.timeout = to_milliseconds(*timeout_s);
+    if (root_wait_s) opts.root_wait = to_milliseconds(*root_wait_s);
+    return opts;
+}
+
 // A value converted for the wire, held between the two calls so that a failing conversion on
 // the root is known before any collective (the root then sends its error instead).
 struct wire_value {
@@ -189,20 +220,11 @@ struct wire_value {
 
 // root: the group rank of the sender; value: the root's wire_value (None on the other ranks).
 // Returns the root's value on followers, None on the root.
-// transport: "auto", "network" or "shared_memory" (spbcast::transport_mode).
 py::object broadcast(py::handle group, const std::string& group_name, const wire_value* value,
                      int root, std::optional<double> timeout_s, bool checksum, bool use_registry,
-                     const std::string& transport) {
-    auto pg = use_registry ? c10d::resolve_process_group(group_name) : cpp_group(group, group_name);
-    spbcast::options opts;
-    opts.root = root;
-    opts.checksum = checksum;
-    opts.transport = transport == "network"         ? spbcast::transport_mode::network
-                     : transport == "shared_memory" ? spbcast::transport_mode::shared_memory
-                                                    : spbcast::transport_mode::automatic;
-    if (timeout_s)  // validated on the Python side
-        opts.timeout = std::chrono::milliseconds(
-            std::max<int64_t>(1, static_cast<int64_t>(*timeout_s * 1000.0 + 0.5)));
+                     const std::string& transport, std::optional<double> root_wait_s) {
+    auto pg = resolve_group(group, group_name, use_registry);
+    const spbcast::options opts = make_options(root, timeout_s, root_wait_s, checksum, transport);
     const bool is_root = pg->getRank() == root;
     if (is_root && value == nullptr)
         throw py::value_error("spbcast: the root must pass its converted value");
@@ -221,9 +243,50 @@ py::object broadcast(py::handle group, const std::string& group_name, const wire
     }
 }
 
-// A spbcast::shared_memory_scope that Python opens and closes on one thread (spbcast.shared_memory).
+// spbcast::detail::keep_alive for Python (LeaderLoader): while it is open on the root, a C++
+// thread sends a keep-alive frame every timeout/4, so followers waiting in the next broadcast
+// know the root is still producing its value and do not time out. It never takes the GIL. On
+// the other ranks it does nothing.
+struct python_keep_alive {
+    using group_ptr = c10::intrusive_ptr<c10d::ProcessGroup>;
+    group_ptr group;  // declared first, destroyed last: the thread uses the group until joined
+    std::mutex mutex;
+    std::unique_ptr<spbcast::detail::keep_alive<group_ptr>> alive;
+
+    // Stops the thread (joining it: at most one keep-alive send in flight); idempotent.
+    void close() {
+        std::unique_ptr<spbcast::detail::keep_alive<group_ptr>> stopping;
+        {
+            std::lock_guard<std::mutex> lock(mutex);
+            stopping = std::move(alive);
+        }
+        // `stopping` joins the thread here, outside the lock.
+    }
+};
+
+// The same-host state of (group, root) on this rank: true when the handshake chose the
+// same-host path, false when it chose the network, None before the first broadcast that may use
+// it decided (or after close_same_host_channels). The rule loader.hpp's
+// batches_in_shared_memory() reads.
+std::optional<bool> same_host_path(py::handle group, const std::string& group_name, int root,
+                                   bool use_registry) {
+    auto pg = resolve_group(group, group_name, use_registry);
+    const auto state = spbcast::detail::same_host_registry::instance().find(pg.get(), root);
+    if (!state) return std::nullopt;
+    return state->shared;
+}
+
+// A spbcast::shared_memory_scope that Python opens and closes (spbcast.shared_memory). close()
+// and the destructor (the Python object collected unclosed) end the C++ scope exactly once,
+// whichever thread runs them.
 struct python_shared_memory_scope {
+    std::mutex mutex;
     std::optional<spbcast::shared_memory_scope> scope;
+
+    void close() {
+        std::lock_guard<std::mutex> lock(mutex);
+        scope.reset();
+    }
 };
 
 bool dtype_supported(const at::Tensor& t) {
@@ -244,7 +307,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("to_wire", [](py::handle tree) { return wire_value{to_ivalue(tree)}; }, py::arg("tree"));
     m.def("broadcast", &broadcast, py::arg("group"), py::arg("group_name"),
           py::arg("value").none(true), py::arg("root"), py::arg("timeout_s"), py::arg("checksum"),
-          py::arg("use_registry") = false, py::arg("transport") = "auto");
+          py::arg("use_registry") = false, py::arg("transport") = "auto",
+          py::arg("root_wait_s") = py::none());
+    py::class_<python_keep_alive>(m, "KeepAlive")
+        .def(py::init([](py::handle group, const std::string& group_name, int root,
+                         std::optional<double> timeout_s, bool use_registry, const std::string& transport) {
+                 auto k = std::make_unique<python_keep_alive>();
+                 k->group = resolve_group(group, group_name, use_registry);
+                 const spbcast::options opts = make_options(root, timeout_s, std::nullopt, false, transport);
+                 try {
+                     spbcast::detail::check_options(opts, k->group->getRank(), k->group->getSize());
+                 } catch (const spbcast::error& e) {
+                     raise_python(e);
+                 }
+                 k->alive = std::make_unique<spbcast::detail::keep_alive<python_keep_alive::group_ptr>>(k->group, opts);
+                 return k;
+             }),
+             py::arg("group"), py::arg("group_name"), py::arg("root"), py::arg("timeout_s"),
+             py::arg("use_registry") = false, py::arg("transport") = "auto")
+        // Joining waits for a keep-alive send in flight, which needs no GIL: release it.
+        .def("close", &python_keep_alive::close, py::call_guard<py::gil_scoped_release>())
+        .def("__enter__", [](py::object self) { return self; })
+        .def("__exit__", [](python_keep_alive& k, py::args) {
+            py::gil_scoped_release no_gil;
+            k.close();
+            return false;  // an exception in the block propagates
+        });
+    m.def("same_host_path", &same_host_path, py::arg("group"), py::arg("group_name"), py::arg("root"),
+          py::arg("use_registry") = false);
     // For the tests: whether torch's binding hands over the C++ group (the registry is not used).
     m.def("binding_cast_works", [](py::handle group) {
         try {
@@ -263,7 +353,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                  return s;
              }),
              py::arg("min_bytes"))
-        .def("close", [](python_shared_memory_scope& s) { s.scope.reset(); });
+        // Ending a scope opened on another thread may wait for that thread's allocator.
+        .def("close", &python_shared_memory_scope::close, py::call_guard<py::gil_scoped_release>());
+    // The pool's controls (include/spbcast/shared_memory.hpp); the GIL is released, as they may
+    // free segments or close sockets.
+    m.def("set_shared_memory_limits", [](std::optional<std::size_t> free_bytes, std::optional<std::size_t> free_segments,
+                                         std::optional<std::size_t> segments) {
+              auto limits = spbcast::shared_memory_limits_in_use();
+              limits.free_bytes = free_bytes.value_or(limits.free_bytes);
+              limits.free_segments = free_segments.value_or(limits.free_segments);
+              limits.segments = segments.value_or(limits.segments);
+              spbcast::set_shared_memory_limits(limits);
+              return py::make_tuple(limits.free_bytes, limits.free_segments, limits.segments);
+          },
+          py::arg("free_bytes"), py::arg("free_segments"), py::arg("segments"));
+    m.def("set_shared_memory_limit", [](std::size_t bytes) { spbcast::set_shared_memory_limit(bytes); },
+          py::arg("bytes"), py::call_guard<py::gil_scoped_release>());
+    m.def("release_shared_memory", [] { spbcast::release_shared_memory(); },
+          py::call_guard<py::gil_scoped_release>());
+    m.def("close_same_host_channels", [] { spbcast::close_same_host_channels(); },
+          py::call_guard<py::gil_scoped_release>());
     m.def("shared_memory_statistics", [] {
         const auto s = spbcast::shared_memory_statistics();
         py::dict out;
@@ -275,6 +384,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         out["network_fallbacks"] = s.network_fallbacks;
         out["tensors_allocated"] = s.tensors_allocated;
         out["tensors_shared"] = s.tensors_shared;
+        out["segments"] = s.segments;
+        out["segments_forgotten"] = s.segments_forgotten;
         return out;
     });
     m.def("receive_cache_statistics", [] {

@@ -6,9 +6,12 @@ group, bit-exactly, with tensor identity and views preserved.
 
 from ._broadcast import broadcast
 from ._C import receive_cache_statistics, set_receive_cache_limit
-from ._shared_memory import shared_memory, shared_memory_statistics
+from ._shared_memory import (close_same_host_channels, release_shared_memory, set_shared_memory_limit,
+                             set_shared_memory_limits, shared_memory, shared_memory_statistics)
 from .errors import Error, RemoteError, SchemaError, TransportError
 from .loader import LeaderLoader
 
 __all__ = ["broadcast", "LeaderLoader", "Error", "RemoteError", "SchemaError", "TransportError",
-           "set_receive_cache_limit", "receive_cache_statistics", "shared_memory", "shared_memory_statistics"]
+           "set_receive_cache_limit", "receive_cache_statistics", "shared_memory", "shared_memory_statistics",
+           "set_shared_memory_limit", "set_shared_memory_limits", "release_shared_memory",
+           "close_same_host_channels"]

@@ -30,18 +30,51 @@ def _group_and_root(group, src):
     return pg, rank, dist.get_group_rank(pg, src)
 
 
-def _seconds(timeout):
-    if timeout is None:
+def _seconds(value, name="timeout", zero_is_unset=False):
+    """Seconds as a float from a number or a timedelta; None (and 0 where zero_is_unset) gives
+    None: the C++ default."""
+    if value is None:
         return None
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else value
+    if zero_is_unset and type(seconds) in (int, float) and seconds == 0:
+        return None
     if type(seconds) not in (int, float) or not 0 < seconds <= 1e9:
-        raise Error(f"spbcast: timeout must be a positive number of seconds or a timedelta (got "
-                    f"{timeout!r})", "invalid_argument")
+        raise Error(f"spbcast: {name} must be a positive number of seconds or a timedelta"
+                    f"{' (or 0: as long as timeout)' if zero_is_unset else ''} (got {value!r})",
+                    "invalid_argument")
     return float(seconds)
 
 
-def broadcast(obj, group=None, src=0, *, timeout=None, checksum=False, transport="auto",
-              _use_registry=False, _name="batch"):
+_TRANSPORTS = ("auto", "network", "shared_memory")
+
+
+def _check_transport(transport):
+    if transport not in _TRANSPORTS:
+        raise ValueError(f"spbcast: transport must be 'auto', 'network' or 'shared_memory', not {transport!r}")
+
+
+def _keep_alive(group, src, *, timeout=None, transport="auto"):
+    """A context manager: while it is open on ``src``, a C++ thread sends the followers a
+    keep-alive frame every ``timeout / 4``, so followers already waiting in the next broadcast
+    (with the same ``timeout``) do not time out while the root is slow to produce its value
+    (C++ ``spbcast::detail::keep_alive``, as ``leader_loader`` uses it). It does nothing on the
+    other ranks. Use it only where every follower is in, or about to enter, the next broadcast
+    on ``group`` with no other collective on that group in between: each keep-alive frame is a
+    collective that the followers' broadcast consumes."""
+    _check_transport(transport)
+    pg, _, root = _group_and_root(group, src)
+    return _C.KeepAlive(pg, pg.group_name, root, _seconds(timeout), False, transport)
+
+
+def _same_host_path(group, src):
+    """Whether broadcasts from ``src`` on ``group`` take the same-host path on this rank: True or
+    False once the first broadcast that may use it decided, None before."""
+    pg, _, root = _group_and_root(group, src)
+    return _C.same_host_path(pg, pg.group_name, root, False)
+
+
+def broadcast(obj, group=None, src=0, *, timeout=None, root_wait=None, checksum=False,
+              transport="auto", _use_registry=False, _name="batch"):
     """Sends ``obj`` from the global rank ``src`` to every rank of ``group`` and returns it.
 
     On ``src`` the very object passed is returned; on every other rank an identical copy on the
@@ -51,6 +84,10 @@ def broadcast(obj, group=None, src=0, *, timeout=None, checksum=False, transport
 
     group: a torch.distributed group (default: the default group). src: a global rank.
     timeout: seconds (or a ``datetime.timedelta``) bounding every wait; default 5 minutes.
+    root_wait: seconds (or a ``timedelta``) a follower waits for the root to start the broadcast
+    (its first message); 0 or None means ``timeout``. A root that is only slow to produce its
+    value (a big batch, a checkpoint saved on the leader) is not a transport failure: raise
+    this, not ``timeout`` (C++ ``options.root_wait``).
     checksum: verify the payload with a checksum per transfer slot.
     transport: "auto" (shared memory where the whole group shares a host, else the network),
     "network" or "shared_memory" (README: "The same-host path").
@@ -58,10 +95,10 @@ def broadcast(obj, group=None, src=0, *, timeout=None, checksum=False, transport
     Raises spbcast.Error (``.code`` says why) on every rank when the value cannot be sent
     (followers raise spbcast.RemoteError with the root's message); the group stays usable.
     """
-    if transport not in ("auto", "network", "shared_memory"):
-        raise ValueError(f"spbcast: transport must be 'auto', 'network' or 'shared_memory', not {transport!r}")
+    _check_transport(transport)
     pg, rank, root = _group_and_root(group, src)
     seconds = _seconds(timeout)
+    wait = _seconds(root_wait, "root_wait", zero_is_unset=True)  # 0: as long as timeout
     name = pg.group_name
     if rank == root:
         me = dist.get_rank()
@@ -74,11 +111,11 @@ def broadcast(obj, group=None, src=0, *, timeout=None, checksum=False, transport
                 f"spbcast: rank {me}: cannot send {_name}: reading it raised "
                 f"{type(e).__name__}: {e}", "unsupported_value")
             _C.broadcast(pg, name, _C.to_wire(_wire.error_envelope(error)), root, seconds,
-                         checksum, _use_registry, transport)
+                         checksum, _use_registry, transport, wait)
             if error is e:
                 raise
             raise error from e
-        _C.broadcast(pg, name, wire, root, seconds, checksum, _use_registry, transport)
+        _C.broadcast(pg, name, wire, root, seconds, checksum, _use_registry, transport, wait)
         return obj
-    envelope = _C.broadcast(pg, name, None, root, seconds, checksum, _use_registry, transport)
+    envelope = _C.broadcast(pg, name, None, root, seconds, checksum, _use_registry, transport, wait)
     return _wire.decode(envelope, dist.get_rank(), src)

@@ -12,10 +12,12 @@ num_workers=0 - followers consume exactly as many words of their own generator. 
 plain advance (a reseed, a cached normal sample) is refused on every rank.
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
-from ._broadcast import broadcast
+from ._broadcast import _TRANSPORTS, _group_and_root, _keep_alive, _same_host_path, _seconds, broadcast
 from ._shared_memory import shared_memory
 from .errors import Error
 
@@ -91,13 +93,24 @@ class LeaderLoader:
     sp_group: the SP process group (None: the default group).
     sp_media_dedup: off means every rank runs its own loader (BASE), as without spbcast.
     tp_size: dedup requires tensor parallelism 1.
+    timeout: seconds (or a timedelta) bounding the transport of each step's broadcast (default
+        5 minutes). A leader that takes longer to build its loader or fetch a batch is not a
+        failure: meanwhile it sends keep-alive frames every timeout / 4, and the followers wait
+        for it as a BASE rank waits for its own loader.
+    transport: how batches travel, as in ``spbcast.broadcast``: "auto" (the same-host path where
+        the SP group shares a host), "network" or "shared_memory".
+    leader_allocates_in_shared_memory: on the same-host path the leader fetches each batch inside
+        ``spbcast.shared_memory()``, so the batch's large tensors are born in shared memory and
+        the broadcast copies nothing. Off (or with transport "network", or where the group took
+        the network path) batches are ordinary memory, copied by the broadcast.
 
     Every SP rank must iterate in step. ``state_dict()`` is taken on the SP leader and
     ``load_state_dict()`` needs it only there (followers learn the position from the leader).
     """
 
     def __init__(self, make_loader, sp_group=None, *, sp_media_dedup, total_epoch=None,
-                 total_step=None, tp_size=1, timeout=None):
+                 total_step=None, tp_size=1, timeout=None, transport="auto",
+                 leader_allocates_in_shared_memory=True):
         # Checked on every rank before any collective, so a bad configuration is one clear error
         # everywhere rather than a rank stuck in a collective.
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -118,10 +131,16 @@ class LeaderLoader:
         if not callable(make_loader):
             raise Error(where + "make_loader must be a callable that returns the loader",
                         "invalid_argument")
+        if transport not in _TRANSPORTS:
+            raise Error(where + f"transport must be 'auto', 'network' or 'shared_memory' (got "
+                        f"{transport!r})", "invalid_argument")
+        _seconds(timeout)  # refused here, on every rank, rather than in the first broadcast
 
         self.total_epoch = total_epoch
         self.total_step = total_step
         self.timeout = timeout
+        self.transport = transport
+        self.leader_allocates_in_shared_memory = bool(leader_allocates_in_shared_memory)
         self.epoch = 0
         self.step = 0
         self._in_epoch = 0
@@ -143,17 +162,22 @@ class LeaderLoader:
             self.loader = make_loader()
             self.length = self._local_length()
             return
+        # The group is checked on every rank (a CPU backend, ...) before the leader's keep-alive
+        # would use it alone.
+        _group_and_root(self.group, self._leader)
 
         init = {"error": None, "words": 0, "length": -1}
         if self.is_leader:
             try:
-                before = torch.get_rng_state()
-                self.loader = make_loader()
-                init["words"] = self._words(before, "building the loader")
-                init["length"] = self._local_length()
+                with self._still_working():  # building a loader may take longer than timeout
+                    before = torch.get_rng_state()
+                    self.loader = make_loader()
+                    init["words"] = self._words(before, "building the loader")
+                    init["length"] = self._local_length()
             except Exception as e:  # noqa: BLE001 - sent to the followers, re-raised below
                 init["error"] = f"{type(e).__name__}: {e}"
-        init = broadcast(init, self.group, self._leader, timeout=timeout, _name="loader_init")
+        init = broadcast(init, self.group, self._leader, timeout=timeout, transport=transport,
+                         _name="loader_init")
         if init["error"] is not None:
             raise Error(self._where() + ": the SP leader failed building the data loader: "
                         + init["error"], "loader")
@@ -229,9 +253,11 @@ class LeaderLoader:
         if self.is_leader:
             words = [0]
             try:
-                # A batch collated on this thread is born in shared memory, so the same-host
-                # path hands it over without a copy.
-                with shared_memory():
+                # While the leader fetches, the followers wait in the broadcast below: keep-alive
+                # frames tell them it is still working. On the same-host path a batch collated
+                # on this thread is born in shared memory, so the broadcast copies nothing.
+                in_shared_memory = shared_memory() if self._batches_in_shared_memory() else contextlib.nullcontext()
+                with self._still_working(), in_shared_memory:
                     batch = self._fetch(words)
                 envelope["done"] = batch is _END
                 envelope["batch"] = None if batch is _END else batch
@@ -241,7 +267,7 @@ class LeaderLoader:
             envelope["epoch"], envelope["step"] = self.epoch, self.step
         # A batch the core refuses raises here on every rank (RemoteError on followers).
         received = broadcast(envelope, self.group, self._leader, timeout=self.timeout,
-                             _name=f"step[{envelope['step']}]")
+                             transport=self.transport, _name=f"step[{envelope['step']}]")
         if self.is_leader:
             received = envelope
         if received["error"] is not None:
@@ -251,6 +277,20 @@ class LeaderLoader:
             self._replay(received["words"])
             self.epoch, self.step = received["epoch"], received["step"]
         return received["done"], received["batch"]
+
+    def _still_working(self):
+        # Only around the leader's work inside the step protocol (building the loader, fetching
+        # a batch), where every follower is already waiting in the broadcast that follows, as in
+        # C++ leader_loader. state_dict()/load_state_dict() run outside it: the followers may be
+        # in another collective then, which a keep-alive frame would put out of step.
+        return _keep_alive(self.group, self._leader, timeout=self.timeout, transport=self.transport)
+
+    def _batches_in_shared_memory(self):
+        # loader.hpp's batches_in_shared_memory(): only when the (group, leader) takes the
+        # same-host path, which the first broadcast (loader_init) decided, and the switch is on.
+        if not self.leader_allocates_in_shared_memory or self.transport == "network":
+            return False
+        return _same_host_path(self.group, self._leader) is True
 
     def _fetch(self, words):
         """The one fetch/epoch loop: the next batch of the current pass; at the end of a pass,

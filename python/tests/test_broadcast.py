@@ -1,6 +1,7 @@
 """spbcast.broadcast between real Gloo ranks: round trips, aliasing, errors, the GIL."""
 
 import dataclasses
+import datetime
 import enum
 import functools
 import threading
@@ -283,6 +284,43 @@ def _gil_and_timeout(rank, world):
 
 def test_gil_released_and_timeout():
     run(2, _gil_and_timeout)
+
+
+def _root_wait(rank, world):
+    # A root that starts 2 s late, with timeout=1 and root_wait=5: the followers' wait for its
+    # first message is root_wait, the rest of the broadcast timeout. Over the same-host
+    # handshake (auto, the group's first broadcast) and over the network frame.
+    x = torch.arange(1 << 18)  # 2 MiB
+    for transport in ("auto", "network"):
+        if rank == 0:
+            time.sleep(2.0)
+        got = spbcast.broadcast(x if rank == 0 else None, src=0, timeout=1.0, root_wait=5.0,
+                                transport=transport)
+        assert torch.equal(got, x), transport
+    # 0 (or a zero timedelta) means "as long as timeout".
+    for zero in (0, datetime.timedelta(0)):
+        assert spbcast.broadcast("ok" if rank == 0 else None, src=0, root_wait=zero) == "ok"
+    # Refused on every rank before any collective.
+    for bad in (-1, "5", True, datetime.timedelta(seconds=-1)):
+        with pytest.raises(spbcast.Error, match="root_wait must be a positive number") as info:
+            spbcast.broadcast(None, src=0, root_wait=bad)
+        assert info.value.code == "invalid_argument"
+    # Without root_wait the followers give up after timeout: TransportError (code timeout), on a
+    # group of its own, which is broken afterwards (so the late root sends nothing on it).
+    late = dist.new_group(list(range(world)))
+    if rank == 0:
+        time.sleep(2.0)
+    else:
+        t0 = time.monotonic()
+        with pytest.raises(spbcast.TransportError) as info:
+            spbcast.broadcast(None, group=late, src=0, timeout=1.0)
+        assert info.value.code == "timeout", info.value
+        assert time.monotonic() - t0 < 20
+    dist.barrier()
+
+
+def test_root_wait():
+    run(2, _root_wait)
 
 
 def test_single_rank_group():

@@ -1,8 +1,10 @@
 """LeaderLoader with a real torch.utils.data.DataLoader between real Gloo ranks: every rank's
 batches and default CPU generator equal BASE (every rank running its own loader) to the bit."""
 
+import functools
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -257,3 +259,78 @@ def _failures(rank, world):
 
 def test_failures_on_every_rank():
     run(2, _failures)
+
+
+# ---- a slow leader, and where the leader's batches are allocated --------------------------------
+
+class SlowLoader:
+    """Three batches, each with a 2 MiB tensor (large enough for spbcast.shared_memory()).
+    Building it takes `build_delay` seconds and fetching the second batch `fetch_delay`."""
+
+    def __init__(self, build_delay=0.0, fetch_delay=0.0, n=3):
+        time.sleep(build_delay)
+        self.fetch_delay, self.n = fetch_delay, n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        for i in range(self.n):
+            if i == 1:
+                time.sleep(self.fetch_delay)
+            yield {"i": i, "t": torch.full((1 << 19,), float(i)), "small": torch.arange(i + 1)}
+
+
+def _slow_leader(rank, world):
+    base = list(SlowLoader())  # BASE: every rank its own loader, no delay
+    # The leader is 2.5 s slow building its loader (auto: the followers wait in the same-host
+    # handshake) and fetching a batch, with timeout=1: its keep-alive frames hold the
+    # followers; without them every follower would raise TransportError (code timeout).
+    for transport, build_delay in (("auto", 2.5), ("network", 0.0)):
+        make = functools.partial(SlowLoader, build_delay if rank == 0 else 0.0, 2.5)
+        t0 = time.monotonic()
+        ll = spbcast.LeaderLoader(make, None, sp_media_dedup=True, total_epoch=1, timeout=1.0,
+                                  transport=transport)
+        got = list(ll)
+        assert time.monotonic() - t0 >= 2.5 + build_delay
+        assert len(got) == len(base), transport
+        for i, (b, g) in enumerate(zip(base, got)):
+            assert_same(b, g, f"{transport}: step {i + 1}")
+    assert spbcast.broadcast("ok" if rank == 0 else None) == "ok"  # the group is in step
+
+
+def test_slow_leader_keeps_followers_waiting():
+    run(2, _slow_leader)
+
+
+def _leader_allocation(rank, world):
+    expected = list(SlowLoader())
+    # (LeaderLoader keywords, whether the leader's batches are born in shared memory). The
+    # network transport runs first, so no same-host handshake has been made on the group yet;
+    # the second loader's first broadcast makes it (the group takes the same-host path).
+    for kwargs, in_shm in (({"transport": "network"}, False),
+                           ({"leader_allocates_in_shared_memory": False}, False),
+                           ({}, True)):
+        before = spbcast.shared_memory_statistics()
+        ll = spbcast.LeaderLoader(SlowLoader, None, sp_media_dedup=True, total_epoch=1, **kwargs)
+        got = list(ll)
+        after = spbcast.shared_memory_statistics()
+        for i, (e, g) in enumerate(zip(expected, got)):
+            assert_same(e, g, f"{kwargs}: step {i + 1}")
+        same_host = spbcast._broadcast._same_host_path(None, 0)
+        assert same_host is (None if kwargs.get("transport") == "network" else True), (kwargs, same_host)
+        if rank == 0:
+            allocated = after["tensors_allocated"] - before["tensors_allocated"]
+            shared = after["tensors_shared"] - before["tensors_shared"]
+            # One 2 MiB tensor a batch; the small ones stay ordinary memory.
+            assert allocated == (len(expected) if in_shm else 0), (kwargs, before, after)
+            assert shared == allocated, (kwargs, before, after)
+        del got
+    # A bad transport is refused on every rank before any collective.
+    with pytest.raises(spbcast.Error, match="transport must be") as info:
+        spbcast.LeaderLoader(SlowLoader, None, sp_media_dedup=True, total_epoch=1, transport="tcp")
+    assert info.value.code == "invalid_argument"
+
+
+def test_leader_allocates_only_on_the_same_host_path():
+    run(2, _leader_allocation)
