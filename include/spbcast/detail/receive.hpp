@@ -341,6 +341,46 @@ inline std::exception_ptr as_spbcast_error(std::exception_ptr failure, const std
     }
 }
 
+// Follower, before any payload: takes the same-host message that answers this frame off the
+// socket first (so the descriptor stream stays in step whatever this rank does with the batch;
+// what is not mapped is released), checks the agreement and the frame, and places the
+// payload's storages. Returns why this rank refuses the batch, or null.
+template <class T, class Group>
+std::exception_ptr accept_frame(collective<Group>& c, const frame_header& header, const std::vector<std::uint8_t>& body,
+                                const std::vector<slot_meta>& slots, same_host_state* same_host,
+                                std::optional<parsed_frame>& frame, std::vector<at::Tensor>& segment_slots) {
+    try {
+        std::optional<segment_delivery> delivery;
+        if (header.flags & shared_segment) delivery = take_segments(c, same_host, header.sequence);
+        std::exception_ptr disagreement;
+        try {
+            check_agreement(c, header);
+        } catch (const spbcast::error&) {
+            disagreement = std::current_exception();
+        }
+        std::exception_ptr unusable;
+        try {
+            frame.emplace(parse_frame<T>(header, body, c.opts().limits, c.where(), c.opts().root));
+        } catch (const spbcast::error&) {
+            unusable = std::current_exception();
+        }
+        // Another version or batch type explains everything else that differs, and options
+        // that differ explain a frame this rank's limits cannot read.
+        if (frame && frame->mismatch) return frame->mismatch;
+        if (disagreement) return disagreement;
+        if (unusable) return unusable;
+        if (frame->segment) {
+            segment_slots = map_segments(c, *delivery, *frame->segment, slots);
+            frame->plan.adopt_slots(segment_slots);
+        } else {
+            frame->plan.allocate();
+        }
+        return nullptr;
+    } catch (...) {
+        return as_spbcast_error(std::current_exception(), c.where());
+    }
+}
+
 // A follower's broadcast. After the frame it issues exactly the announced messages whatever it
 // finds: a batch it refuses (another type or version, its limits, an unknown dtype, no memory,
 // a throwing callback) is drained first and refused afterwards, so the next broadcast works.
@@ -355,44 +395,9 @@ void receive(collective<Group>& c, T& value, same_host_state* same_host = nullpt
         same_host->end_path(c.where() + ": the root (rank " + std::to_string(header.root) +
                             ") ended the same-host path: it lost its link to a follower");
 
-    std::exception_ptr refusal;
     std::optional<parsed_frame> frame;
-    // The root handed the segment over before the frame: taken off the socket first, so the
-    // socket stays in step whatever this rank does with the batch; released unless mapped.
-    std::optional<segment_delivery> delivery;
     std::vector<at::Tensor> segment_slots;
-    try {
-        if (header.flags & shared_segment) delivery = take_segments(c, same_host, header.sequence);
-        std::exception_ptr disagreement;
-        try {
-            check_agreement(c, header);
-        } catch (const spbcast::error&) {
-            disagreement = std::current_exception();
-        }
-        std::exception_ptr unusable;
-        try {
-            frame.emplace(parse_frame<T>(header, body, opts.limits, c.where(), opts.root));
-        } catch (const spbcast::error&) {
-            unusable = std::current_exception();
-        }
-        // Another version or batch type explains everything else that differs, and options
-        // that differ explain a frame this rank's limits cannot read.
-        if (frame && frame->mismatch)
-            refusal = frame->mismatch;
-        else if (disagreement)
-            refusal = disagreement;
-        else if (unusable)
-            refusal = unusable;
-        else if (frame->segment) {
-            segment_slots = map_segments(c, *delivery, *frame->segment, slots);
-            frame->plan.adopt_slots(segment_slots);
-        } else
-            frame->plan.allocate();
-    } catch (...) {
-        refusal = as_spbcast_error(std::current_exception(), c.where());
-    }
-    delivery.reset();
-    if (refusal) {
+    if (const auto refusal = accept_frame<T>(c, header, body, slots, same_host, frame, segment_slots)) {
         const std::vector<std::uint8_t> trailer = drain_payload(c, header, slots);
         read_trailer(header, trailer, c.where(), static_cast<int>(header.root));  // the root's error first
         std::rethrow_exception(refusal);
