@@ -14,7 +14,7 @@
 //   forgets the segment instead of refilling it (shm_pool.hpp).
 // - Locks: another thread may hold a lock at the moment of the fork, and it never releases it
 //   in the child. Every lock that a child may take is held across fork() by the prepare
-//   handler (fork_locks), and everything else checks the process id before locking.
+//   handler (hold_across_fork), and everything else checks the process id before locking.
 #pragma once
 
 #include <pthread.h>
@@ -47,50 +47,46 @@ public:
         fds_.erase(fd);
     }
 
-    // A lock a forked child may take: held across every fork, so the child's copy is free.
-    // Registered once, in the order the prepare handler takes them (never nested otherwise).
-    void hold_across_fork(std::mutex& m) {
-        std::lock_guard<std::mutex> lock(fds_mutex_);
-        held_.push_back_unique(&m);
-    }
+    // The process-wide locks a forked child may take, in the order the prepare handler takes
+    // them: the order in which they may nest (the registry's holder can end a path, which
+    // forgets segments in the pool; the pool creates descriptors).
+    enum class lock_order { same_host_registry, shared_allocations, segment_pool, count };
+
+    // Held across every fork, so the child's copy is free.
+    void hold_across_fork(lock_order which, std::mutex& m) { held_[static_cast<int>(which)] = &m; }
 
 private:
-    // A tiny fixed list: the few process-wide locks of the library.
-    struct lock_list {
-        std::mutex* items[8] = {};
-        int size = 0;
-        void push_back_unique(std::mutex* m) {
-            for (int i = 0; i < size; ++i)
-                if (items[i] == m) return;
-            if (size < 8) items[size++] = m;
-        }
-    };
+    using lock_list = std::atomic<std::mutex*>[static_cast<int>(lock_order::count)];
 
     fork_safety() { ::pthread_atfork(&prepare, &in_parent, &in_child); }
 
     static void prepare() {
         auto& f = instance();
-        for (int i = 0; i < f.held_.size; ++i) f.held_.items[i]->lock();
+        for (auto& m : f.held_)
+            if (std::mutex* p = m.load()) p->lock();
         f.fds_mutex_.lock();
+    }
+    static void unlock_all(fork_safety& f) {
+        f.fds_mutex_.unlock();
+        for (int i = static_cast<int>(lock_order::count) - 1; i >= 0; --i)
+            if (std::mutex* p = f.held_[i].load()) p->unlock();
     }
     static void in_parent() {
         auto& f = instance();
         f.generation_.fetch_add(1, std::memory_order_acq_rel);
-        f.fds_mutex_.unlock();
-        for (int i = f.held_.size - 1; i >= 0; --i) f.held_.items[i]->unlock();
+        unlock_all(f);
     }
     static void in_child() {
         auto& f = instance();
         for (int fd : f.fds_) ::close(fd);
         f.fds_.clear();
-        f.fds_mutex_.unlock();
-        for (int i = f.held_.size - 1; i >= 0; --i) f.held_.items[i]->unlock();
+        unlock_all(f);
     }
 
     std::atomic<std::uint64_t> generation_{0};
     std::mutex fds_mutex_;
     std::set<int> fds_;
-    lock_list held_;
+    lock_list held_ = {};
 };
 
 inline std::uint64_t fork_generation() { return fork_safety::instance().generation(); }

@@ -48,7 +48,7 @@ struct shared_allocation {
     void* data = nullptr;    // this storage's own mapping of the segment
     std::size_t bytes = 0;
     bool detached = false;   // the mapping is private: the segment no longer follows the tensor
-    std::uint64_t forks_at_birth = fork_generation();  // a child forked since may map it
+    std::uint64_t forks_at_birth = 0;  // fork_generation() before the mapping: a child forked since may map it
 
     // Makes this mapping private, same address and contents, before the segment is handed over.
     // On failure the mapping is shared again (the bytes are in the segment) and the caller
@@ -88,7 +88,7 @@ public:
     }
 
 private:
-    shared_allocations() { fork_safety::instance().hold_across_fork(mutex_); }
+    shared_allocations() { fork_safety::instance().hold_across_fork(fork_safety::lock_order::shared_allocations, mutex_); }
     std::mutex mutex_;
     std::map<const void*, shared_allocation*> by_data_;
 };
@@ -167,13 +167,14 @@ private:
         const auto lease = pool.acquire_for_tensor(n, why_not);
         if (!lease) return fallback_->allocate(n);  // no shared memory now: ordinary memory
         const std::size_t bytes = (n + segment_page - 1) / segment_page * segment_page;
+        const std::uint64_t forks = fork_generation();  // before the mapping exists: a fork in between counts
         void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, lease.fd, 0);
         if (data == MAP_FAILED) {
             pool.release_tensor(lease.id);
             return fallback_->allocate(n);
         }
         pool.count_tensor(false);
-        auto* a = new shared_allocation{lease.id, lease.fd, lease.capacity, data, bytes};
+        auto* a = new shared_allocation{lease.id, lease.fd, lease.capacity, data, bytes, false, forks};
         shared_allocations::instance().add(a);
         return {data, data, &free_allocation, c10::Device(c10::DeviceType::CPU)};
     }

@@ -274,7 +274,7 @@ struct shm_mapping {
     std::size_t bytes = 0;
     std::uint64_t segment = 0;
     std::shared_ptr<follower_link> link;
-    std::uint64_t forks_at_birth = fork_generation();
+    std::uint64_t forks_at_birth = fork_generation();  // read before the segment is mapped
 
     ~shm_mapping() {
         if (data) ::munmap(data, bytes);
@@ -367,7 +367,6 @@ public:
         static auto* r = new same_host_registry();
         return *r;
     }
-    same_host_registry() { fork_safety::instance().hold_across_fork(mutex_); }
 
     // A weak reference to `g` when it is a reference-counted c10 object, else nothing.
     template <class G>
@@ -422,6 +421,8 @@ public:
     }
 
 private:
+    same_host_registry() { fork_safety::instance().hold_across_fork(fork_safety::lock_order::same_host_registry, mutex_); }
+
     struct entry {
         std::shared_ptr<same_host_state> state;
         std::optional<c10::weak_intrusive_ptr<c10::intrusive_ptr_target>> owner;

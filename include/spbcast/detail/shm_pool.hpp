@@ -186,7 +186,7 @@ private:
         std::uint64_t returned_at = 0;
     };
 
-    shm_pool() { fork_safety::instance().hold_across_fork(mutex_); }
+    shm_pool() { fork_safety::instance().hold_across_fork(fork_safety::lock_order::segment_pool, mutex_); }
 
     // A forked child (a loader worker) holds a copy of this pool whose descriptors and
     // mappings it does not have (fork_safety.hpp): it never uses it. Checked before locking.
