@@ -35,6 +35,9 @@ class SequenceContext:
     num_padding: int = 0
 
 
+spbcast.allow_classes(SequenceContext)  # on every rank: followers rebuild only allowed classes
+
+
 class Samples(Dataset):
     """Stands in for a multimodal dataset: tokens and image patches per sample."""
 

@@ -2,16 +2,22 @@
 group, bit-exactly, with tensor identity and views preserved.
 
     batch = spbcast.broadcast(batch if leader else None, group=sp_group, src=leader_rank)
+
+Followers rebuild only built-in kinds and the classes the program allows, on every rank:
+
+    spbcast.allow_classes(SequenceContext)   # or spbcast.allow_modules("mypkg")
 """
 
 from ._broadcast import broadcast
 from ._C import receive_cache_statistics, set_receive_cache_limit
 from ._shared_memory import (close_same_host_channels, release_shared_memory, set_shared_memory_limit,
                              set_shared_memory_limits, shared_memory, shared_memory_statistics)
+from ._wire import allow_classes, allow_modules
 from .errors import Error, RemoteError, SchemaError, TransportError
 from .loader import LeaderLoader
 
-__all__ = ["broadcast", "LeaderLoader", "Error", "RemoteError", "SchemaError", "TransportError",
+__all__ = ["broadcast", "LeaderLoader", "allow_classes", "allow_modules", "Error", "RemoteError",
+           "SchemaError", "TransportError",
            "set_receive_cache_limit", "receive_cache_statistics", "shared_memory", "shared_memory_statistics",
            "set_shared_memory_limit", "set_shared_memory_limits", "release_shared_memory",
            "close_same_host_channels"]

@@ -93,7 +93,9 @@ def broadcast(obj, group=None, src=0, *, timeout=None, root_wait=None, checksum=
     "network" or "shared_memory" (README: "The same-host path").
 
     Raises spbcast.Error (``.code`` says why) on every rank when the value cannot be sent
-    (followers raise spbcast.RemoteError with the root's message); the group stays usable.
+    (followers raise spbcast.RemoteError with the root's message); the group stays usable. A
+    follower that will not rebuild what the root sent (a class the program did not allow with
+    spbcast.allow_classes / allow_modules) raises spbcast.SchemaError alone, after the transfer.
     """
     _check_transport(transport)
     pg, rank, root = _group_and_root(group, src)
@@ -118,4 +120,4 @@ def broadcast(obj, group=None, src=0, *, timeout=None, root_wait=None, checksum=
         _C.broadcast(pg, name, wire, root, seconds, checksum, _use_registry, transport, wait)
         return obj
     envelope = _C.broadcast(pg, name, None, root, seconds, checksum, _use_registry, transport, wait)
-    return _wire.decode(envelope, dist.get_rank(), src)
+    return _wire.decode(envelope, dist.get_rank(), src, _name)

@@ -10,6 +10,12 @@ main process - the DataLoader's base seed at each iterator creation (none when p
 workers are reused), a RandomSampler's seed per epoch, a torch.rand in a dataset read with
 num_workers=0 - followers consume exactly as many words of their own generator. What is not a
 plain advance (a reseed, a cached normal sample) is refused on every rank.
+
+Epochs follow the host trainer's numbering (first_epoch, set_epoch=), and the loader's own
+checkpoint API is used whatever it is called (state_dict / get_state_dict / load_state_dict,
+or hooks). Calls into the leader's loader outside a step (set_epoch, load_state_dict) are
+deferred to its next fetch, inside the step: a slow one is covered by keep-alive frames, a
+failing one reaches every SP rank, and the generator words it draws travel with that step.
 """
 
 import contextlib
@@ -26,7 +32,7 @@ _MT_N = 624  # words per Mersenne Twister block
 # it, or for a change that no advance explains, the call is refused.
 _MAX_WORDS_PER_CALL = 1 << 26
 _REPLAY_CHUNK = 1 << 20
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2 added the pass index and the last set_epoch value
 _END = object()
 
 
@@ -85,13 +91,33 @@ def _count_words(before, after):
 
 
 class LeaderLoader:
-    """Iterates the batches of ``total_epoch`` epochs or ``total_step`` steps of a data loader,
-    the same batches on every rank of ``sp_group``.
+    """Iterates the batches of a data loader on every rank of ``sp_group``, loading them on the
+    SP leader only: ``total_epoch`` passes or ``total_step`` steps, or - with ``set_epoch=None``
+    - one pass per ``iter()``, as the loader itself, for a host trainer that drives the epochs.
 
     make_loader: a callable returning an iterable loader (e.g. a torch.utils.data.DataLoader);
-        with ``sp_media_dedup`` on it is called on the SP leader (group rank 0) only.
+        with ``sp_media_dedup`` on it is called on the SP leader (group rank 0) only. With
+        ``build_on_every_rank`` it is called with that callable's result.
     sp_group: the SP process group (None: the default group).
     sp_media_dedup: off means every rank runs its own loader (BASE), as without spbcast.
+    build_on_every_rank: a callable run on every SP rank before the loader is built (datasets
+        whose construction is collective, or that every rank needs anyway); its result is
+        passed to ``make_loader``, which runs on the leader only. Its generator draws happen on
+        every rank, as in BASE, so they need no mirroring.
+    first_epoch: the number of the first pass (the ``epoch`` attribute during it); 0 by default,
+        1 for a trainer that counts epochs from 1 (XTuner).
+    set_epoch: how the loader's ``set_epoch`` is driven:
+        "auto" (default): before each pass after the first, ``set_epoch(first_epoch + pass)``
+            - set_epoch(1), (2), ... by default; set_epoch(2), (3), ... with first_epoch=1, as
+            XTuner's trainer calls it.
+        a callable: ``set_epoch(pass_index)`` (0 for the first pass) gives the value for the
+            loader's set_epoch before each pass, including the first, or None to call nothing.
+        None: the host trainer drives the epochs, as it does with its own loader: each ``iter()``
+            is one pass, ``len()`` the loader's length, total_epoch and total_step stay unset,
+            and the trainer's ``loader.set_epoch(e)`` reaches the leader's loader.
+    state_hooks: ``(save, load)`` to checkpoint the loader: ``save(loader, *args, **kwargs)``
+        returns its state, ``load(loader, state)`` restores it. By default the loader's own
+        ``state_dict()`` or ``get_state_dict()`` (XTuner's Dataloader) and ``load_state_dict()``.
     tp_size: dedup requires tensor parallelism 1.
     timeout: seconds (or a timedelta) bounding the transport of each step's broadcast (default
         5 minutes). A leader that takes longer to build its loader or fetch a batch is not a
@@ -104,24 +130,43 @@ class LeaderLoader:
         the broadcast copies nothing. Off (or with transport "network", or where the group took
         the network path) batches are ordinary memory, copied by the broadcast.
 
-    Every SP rank must iterate in step. ``state_dict()`` is taken on the SP leader and
-    ``load_state_dict()`` needs it only there (followers learn the position from the leader).
+    Every SP rank must iterate in step. ``state_dict()`` (or ``get_state_dict(...)``) is taken on
+    the SP leader and ``load_state_dict()`` needs it only there (followers learn the position
+    from the leader); on followers they touch nothing, so a state call of the loader that is a
+    collective over its DP group is made by the leaders of all DP replicas together, as in BASE.
     """
 
     def __init__(self, make_loader, sp_group=None, *, sp_media_dedup, total_epoch=None,
-                 total_step=None, tp_size=1, timeout=None, transport="auto",
+                 total_step=None, first_epoch=0, set_epoch="auto", build_on_every_rank=None,
+                 state_hooks=None, tp_size=1, timeout=None, transport="auto",
                  leader_allocates_in_shared_memory=True):
         # Checked on every rank before any collective, so a bad configuration is one clear error
         # everywhere rather than a rank stuck in a collective.
         rank = dist.get_rank() if dist.is_initialized() else 0
         where = f"spbcast: rank {rank}: invalid LeaderLoader configuration: "
-        if (total_epoch is None) == (total_step is None):
+        if set_epoch is None:
+            if total_epoch is not None or total_step is not None:
+                raise Error(where + "with set_epoch=None the host trainer drives the passes (each "
+                            "iter() is one pass of the loader): leave total_epoch and total_step "
+                            "unset", "invalid_argument")
+        elif (total_epoch is None) == (total_step is None):
             raise Error(where + "set exactly one of total_epoch and total_step "
-                        f"(both are {'set' if total_epoch is not None else 'unset'})",
-                        "invalid_argument")
+                        f"(both are {'set' if total_epoch is not None else 'unset'}), or "
+                        "set_epoch=None for one pass per iter()", "invalid_argument")
         for name, v in (("total_epoch", total_epoch), ("total_step", total_step)):
             if v is not None and (type(v) is not int or v <= 0):
                 raise Error(where + f"{name} must be a positive int (got {v!r})", "invalid_argument")
+        if type(first_epoch) is not int:
+            raise Error(where + f"first_epoch must be an int (got {first_epoch!r})", "invalid_argument")
+        if not (set_epoch is None or set_epoch == "auto" or callable(set_epoch)):
+            raise Error(where + "set_epoch must be \"auto\", None (the trainer calls set_epoch) or "
+                        f"a callable mapping the pass index to the epoch (got {set_epoch!r})",
+                        "invalid_argument")
+        if state_hooks is not None and not (isinstance(state_hooks, (tuple, list))
+                                            and len(state_hooks) == 2
+                                            and all(callable(h) for h in state_hooks)):
+            raise Error(where + "state_hooks must be a pair of callables (save(loader) -> state, "
+                        f"load(loader, state)) (got {state_hooks!r})", "invalid_argument")
         if type(tp_size) is not int or tp_size < 1:
             raise Error(where + f"tp_size must be an int of at least 1 (got {tp_size!r})",
                         "invalid_argument")
@@ -131,6 +176,9 @@ class LeaderLoader:
         if not callable(make_loader):
             raise Error(where + "make_loader must be a callable that returns the loader",
                         "invalid_argument")
+        if build_on_every_rank is not None and not callable(build_on_every_rank):
+            raise Error(where + "build_on_every_rank must be a callable (its result is passed to "
+                        "make_loader)", "invalid_argument")
         if transport not in _TRANSPORTS:
             raise Error(where + f"transport must be 'auto', 'network' or 'shared_memory' (got "
                         f"{transport!r})", "invalid_argument")
@@ -138,15 +186,29 @@ class LeaderLoader:
 
         self.total_epoch = total_epoch
         self.total_step = total_step
+        self.first_epoch = first_epoch
+        self.per_pass = set_epoch is None
+        if set_epoch == "auto":
+            self._epoch_for_pass = lambda i: None if i == 0 else first_epoch + i
+        else:
+            self._epoch_for_pass = set_epoch  # None: the trainer calls set_epoch
+        self.state_hooks = state_hooks
         self.timeout = timeout
         self.transport = transport
         self.leader_allocates_in_shared_memory = bool(leader_allocates_in_shared_memory)
-        self.epoch = 0
+        self.epoch = first_epoch
         self.step = 0
+        self._pass = 0  # passes completed
         self._in_epoch = 0
+        self._epoch_value = None  # the last value given to the loader's set_epoch
         self._skip = 0  # batches to drop when resuming mid-epoch without loader state
+        self._resumed = False  # load_state_dict ran and no batch was fetched since
         self._finished = False
         self._iter = None
+        # The dedup leader's calls into its loader made outside a step, run at its next fetch,
+        # and the generator words drawn outside a step, sent with the next one.
+        self._pending = []
+        self._carried_words = 0
         self.loader = None
         self.length = -1
 
@@ -158,9 +220,16 @@ class LeaderLoader:
         sp_size = dist.get_world_size(self.group) if self.group is not None else 1
         self.dedup = bool(sp_media_dedup) and sp_size > 1
         self._leader = dist.get_global_rank(self.group, 0) if self.dedup else rank
+        # Every rank: what BASE builds on every rank too (its draws need no mirroring).
+        if build_on_every_rank is not None:
+            shared = build_on_every_rank()
+            make = lambda: make_loader(shared)  # noqa: E731
+        else:
+            make = make_loader
         if not self.dedup:
-            self.loader = make_loader()
+            self.loader = make()
             self.length = self._local_length()
+            self._start_pass(None)
             return
         # The group is checked on every rank (a CPU backend, ...) before the leader's keep-alive
         # would use it alone.
@@ -171,9 +240,12 @@ class LeaderLoader:
             try:
                 with self._still_working():  # building a loader may take longer than timeout
                     before = torch.get_rng_state()
-                    self.loader = make_loader()
+                    self.loader = make()
                     init["words"] = self._words(before, "building the loader")
                     init["length"] = self._local_length()
+                    words = [0]
+                    self._start_pass(words)
+                    init["words"] += words[0]
             except Exception as e:  # noqa: BLE001 - sent to the followers, re-raised below
                 init["error"] = f"{type(e).__name__}: {e}"
         init = broadcast(init, self.group, self._leader, timeout=timeout, transport=transport,
@@ -192,54 +264,102 @@ class LeaderLoader:
         return self.sp_rank == 0
 
     def __len__(self):
-        """Steps of the whole run: total_step, or batches per epoch times total_epoch."""
+        """Steps of the whole run: total_step, or batches per epoch times total_epoch; with
+        set_epoch=None, batches per pass (the loader's len)."""
         if self.total_step is not None:
             return self.total_step
         if self.length < 0:
             raise TypeError("the loader has no len(), so the number of steps is unknown")
-        return self.length * self.total_epoch
+        return self.length if self.per_pass else self.length * self.total_epoch
 
     def __iter__(self):
+        if self.per_pass:
+            # One pass per iter(), as the loader's own: a new iter() starts a new pass, except
+            # the first after load_state_dict, which continues where the state was taken.
+            if not self._resumed and (self._iter is not None or self._in_epoch > 0):
+                self._iter, self._in_epoch, self._skip = None, 0, 0
+            self._finished = False
         while True:
             done, batch = self._next()
             if done:
                 return
             yield batch
 
+    def set_epoch(self, epoch):
+        """The host trainer's set_epoch: the epoch of the next pass (and the ``epoch`` attribute).
+        Call it on every SP rank, as on the loader itself. It reaches the loader (or its sampler)
+        on the leader - on the dedup leader at its next fetch, inside the step, so a slow
+        set_epoch is covered by keep-alive frames and the generator words it draws reach the
+        followers with that step - and nothing on the followers."""
+        self.epoch = epoch
+        if self.loader is not None:
+            self._leader_work(f"calling the loader's set_epoch({epoch!r})",
+                              lambda words: self._set_epoch(epoch, words))
+
     def state_dict(self):
-        """The loop position and the loader's own state (if it has state_dict()); empty on dedup
-        followers, which hold no loader. Save the SP leader's."""
+        """The loop position and the loader's own state (state_dict(), get_state_dict() or the
+        save hook); empty on dedup followers, which hold no loader and call nothing. Save the SP
+        leader's."""
+        return self.get_state_dict()
+
+    def get_state_dict(self, *args, **kwargs):
+        """state_dict() under the name XTuner's Dataloader uses; the arguments go to the loader's
+        own state call. Where that call is a collective over the loader's DP group, the leaders
+        of all DP replicas call it together (followers return {} and call nothing)."""
         if self.loader is None:
             return {}
-        state = {"version": _STATE_VERSION, "epoch": self.epoch, "step": self.step,
-                 "in_epoch": self._in_epoch, "loader": None}
-        if hasattr(self.loader, "state_dict"):
-            state["loader"] = self.loader.state_dict()
+        self._run_pending_outside_step()
+        state = {"version": _STATE_VERSION, "epoch": self.epoch, "pass": self._pass,
+                 "step": self.step, "in_epoch": self._in_epoch, "epoch_value": self._epoch_value,
+                 "loader": None}
+        save = self._save_hook()
+        if save is not None:
+            state["loader"] = self._outside_step("taking the loader's state",
+                                                 lambda: save(*args, **kwargs))
         return state
 
     def load_state_dict(self, state):
         """Continues exactly where state_dict() was taken, from the next batch. On dedup followers
-        it does nothing. A loader without load_state_dict() is fast-forwarded: the resumed epoch's
-        first batches are loaded and dropped, which is exact when the epoch's order depends only
-        on the epoch (a sampler with set_epoch, as DistributedSampler)."""
+        it does nothing. The last epoch given to the loader's set_epoch is given again, then the
+        loader's own state restored (on the dedup leader both at its next fetch, inside the step).
+        A loader without state of its own is fast-forwarded: the resumed epoch's first batches
+        are loaded and dropped, which is exact when the epoch's order depends only on the epoch
+        (a sampler with set_epoch, as DistributedSampler)."""
         if self.loader is None:
             return
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+        if not isinstance(state, dict) or state.get("version") not in (1, _STATE_VERSION):
             raise Error(self._where() + ": load_state_dict got a state that LeaderLoader."
                         "state_dict did not write; pass the SP leader's state_dict()",
                         "invalid_argument")
         self.epoch, self.step, self._in_epoch = state["epoch"], state["step"], state["in_epoch"]
+        if state["version"] == 1:  # epochs counted from 0, set_epoch(epoch) from the second on
+            self._pass = self.epoch
+            self._epoch_value = self.epoch or None
+        else:
+            self._pass, self._epoch_value = state["pass"], state["epoch_value"]
         self._iter = None
         self._finished = False
-        self._set_epoch(self.epoch)
-        own_state = state["loader"] is not None and hasattr(self.loader, "load_state_dict")
-        if own_state:
-            self.loader.load_state_dict(state["loader"])
+        self._resumed = True
         self._skip = 0
-        if self.length > 0 and self._in_epoch >= self.length:
+        load = self._load_hook()
+        own_state = state["loader"] is not None and load is not None
+        # Where spbcast drove set_epoch, giving the last value again is its part of the resume
+        # (the loader's own state may not hold the epoch); where the trainer drives it, the
+        # trainer's resume does that, so only the drop-based fast-forward needs it.
+        reapply = self._epoch_value is not None and (not self.per_pass or not own_state)
+        value = self._epoch_value
+
+        def restore(words):
+            if reapply:
+                self._set_epoch(value, words)
+            if own_state:
+                self._counted(words, "restoring the loader's state", load, state["loader"])
+
+        self._leader_work("load_state_dict", restore)
+        if not self.per_pass and self.length > 0 and self._in_epoch >= self.length:
             # Saved right after an epoch's last batch: the continuous run ends that pass at its
             # next fetch, so the resumed run starts the next epoch.
-            self._end_epoch()
+            self._leader_work("starting the next epoch", self._end_pass)
         elif not own_state:
             self._skip = self._in_epoch
 
@@ -251,14 +371,17 @@ class LeaderLoader:
             return batch is _END, (None if batch is _END else batch)
         envelope = {"error": None, "epoch": 0, "step": 0, "words": 0, "done": False, "batch": None}
         if self.is_leader:
-            words = [0]
+            words = [self._carried_words]
+            self._carried_words = 0
             try:
                 # While the leader fetches, the followers wait in the broadcast below: keep-alive
                 # frames tell them it is still working. On the same-host path a batch collated
                 # on this thread is born in shared memory, so the broadcast copies nothing.
                 in_shared_memory = shared_memory() if self._batches_in_shared_memory() else contextlib.nullcontext()
-                with self._still_working(), in_shared_memory:
-                    batch = self._fetch(words)
+                with self._still_working():
+                    self._run_pending(words)
+                    with in_shared_memory:
+                        batch = self._fetch(words)
                 envelope["done"] = batch is _END
                 envelope["batch"] = None if batch is _END else batch
             except Exception as e:  # noqa: BLE001 - sent to the followers, re-raised below
@@ -294,11 +417,12 @@ class LeaderLoader:
 
     def _fetch(self, words):
         """The one fetch/epoch loop: the next batch of the current pass; at the end of a pass,
-        advance the epoch and start the next one. Counts the generator words into words[0]
-        (None: not counted, dedup is off)."""
+        start the next one (or, with set_epoch=None, end the iteration). Counts the generator
+        words into words[0] (None: not counted, dedup is off)."""
         if self._finished or (self.total_step is not None and self.step >= self.total_step):
             self._finished = True
             return _END
+        self._resumed = False
         empty_passes = 0
         while True:
             if self._iter is None:
@@ -311,8 +435,12 @@ class LeaderLoader:
                 self.step += 1
                 self._in_epoch += 1
                 return batch
-            self._end_epoch()
-            if self.total_epoch is not None and self.epoch >= self.total_epoch:
+            if self.per_pass:  # the trainer starts the next pass (and calls set_epoch)
+                self._iter, self._in_epoch, self._skip = None, 0, 0
+                self._pass += 1
+                return _END
+            self._end_pass(words)
+            if self.total_epoch is not None and self._pass >= self.total_epoch:
                 self._finished = True
                 return _END
             empty_passes += 1
@@ -323,8 +451,15 @@ class LeaderLoader:
     def _call(self, fn, arg, words, doing, *default):
         if words is None:
             return fn(arg, *default)
+        return self._counted(words, doing, fn, arg, *default)
+
+    def _counted(self, words, doing, fn, *args):
+        """fn(*args), adding the default generator words it draws to words[0] (None: dedup is
+        off, nothing to count)."""
+        if words is None:
+            return fn(*args)
         before = torch.get_rng_state()
-        out = fn(arg, *default)
+        out = fn(*args)
         words[0] += self._words(before, doing)
         return out
 
@@ -344,19 +479,85 @@ class LeaderLoader:
                         "corrupt_frame")
         _advance(None, words)
 
-    def _end_epoch(self):
+    # ---- epochs and work outside the steps ----------------------------------------------------
+
+    def _start_pass(self, words):
+        """Before the first pass: set_epoch as the policy says for pass 0 (a callable only)."""
+        if self._epoch_for_pass is not None:
+            value = self._epoch_for_pass(0)
+            if value is not None:
+                self._set_epoch(value, words)
+
+    def _end_pass(self, words=None):
         self._iter = None
+        self._pass += 1
         self.epoch += 1
         self._in_epoch = 0
-        self._set_epoch(self.epoch)
+        if self.total_epoch is not None and self._pass >= self.total_epoch:
+            return  # the last pass: no set_epoch for a pass that will not run (nor in BASE)
+        value = self._epoch_for_pass(self._pass) if self._epoch_for_pass is not None else None
+        if value is not None:
+            self._set_epoch(value, words)
 
-    def _set_epoch(self, epoch):
+    def _set_epoch(self, epoch, words=None):
+        self._epoch_value = epoch
         for target in (self.loader, getattr(self.loader, "sampler", None),
                        getattr(self.loader, "batch_sampler", None),
                        getattr(getattr(self.loader, "batch_sampler", None), "sampler", None)):
             if target is not None and hasattr(target, "set_epoch"):
-                target.set_epoch(epoch)
+                self._counted(words, f"calling set_epoch({epoch!r}) on the loader", target.set_epoch, epoch)
                 return
+
+    def _leader_work(self, doing, work):
+        """work(words) on this rank's loader: at once without dedup; on the dedup leader at its
+        next fetch, inside the step (see the module's docstring)."""
+        if not self.dedup:
+            work(None)
+        else:
+            self._pending.append((doing, work))
+
+    def _run_pending(self, words):
+        pending, self._pending = self._pending, []
+        for doing, work in pending:
+            try:
+                work(words)
+            except Error:
+                raise
+            except Exception as e:  # noqa: BLE001 - named, then sent to the followers
+                raise Error(f"{doing} raised {type(e).__name__}: {e}", "loader") from e
+
+    def _run_pending_outside_step(self):
+        # state_dict() must see what set_epoch / load_state_dict asked for; run on the leader
+        # alone, outside any step, so no keep-alive (followers may be in another collective),
+        # and the words they draw are sent with the next step.
+        if self._pending:
+            words = [0]
+            self._run_pending(words)
+            self._carried_words += words[0]
+
+    def _outside_step(self, doing, fn):
+        words = None if not self.dedup else [0]
+        out = self._counted(words, doing, fn)
+        if words is not None:
+            self._carried_words += words[0]
+        return out
+
+    def _save_hook(self):
+        if self.state_hooks is not None:
+            save = self.state_hooks[0]
+            return lambda *a, **k: save(self.loader, *a, **k)
+        for name in ("state_dict", "get_state_dict"):
+            fn = getattr(self.loader, name, None)
+            if callable(fn):
+                return fn
+        return None
+
+    def _load_hook(self):
+        if self.state_hooks is not None:
+            load = self.state_hooks[1]
+            return lambda state: load(self.loader, state)
+        fn = getattr(self.loader, "load_state_dict", None)
+        return fn if callable(fn) else None
 
     def _local_length(self):
         try:

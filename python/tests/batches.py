@@ -1,13 +1,18 @@
 """Batches for the tests (every rank builds the same ones from a seed) and a bit-exact compare.
 
-The classes live at module level so that every rank can import them by module and name.
+The classes live at module level so that every rank can find them by module and name, and are
+allowed at import time - the documented pattern: every rank imports this module.
 """
 
+import collections
 import dataclasses
+import enum
 import struct
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
+
+import spbcast
 
 
 @dataclasses.dataclass
@@ -53,6 +58,36 @@ class Plain:
 class Outer:
     class Inner:  # a nested class: found again by its qualified name
         pass
+
+
+class Color(enum.Enum):
+    RED = 1
+    GREEN = "g"
+
+
+class Perm(enum.IntFlag):
+    R = 4
+    W = 2
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+class Typed(NamedTuple):
+    a: int
+    b: str = "z"
+
+
+@dataclasses.dataclass
+class DSATopKCacheState:
+    """Like the one in XTuner's real batches: its released_sources is an empty set()."""
+    released_sources: set = dataclasses.field(default_factory=set)
+    topk_indices: Optional[torch.Tensor] = None
+    per_layer: dict = dataclasses.field(default_factory=dict)
+
+
+spbcast.allow_classes(SequenceContext, PlainSequenceContext, Frozen, Slotted, Plain, Outer.Inner,
+                      Color, Perm, Point, Typed, DSATopKCacheState)
 
 
 def _packed_ctx(g, length, plain, media):
@@ -142,6 +177,51 @@ def every_kind(seed):
     }
 
 
+def new_kinds(seed):
+    """The kinds beyond the core vocabulary: sets, enums, named tuples, torch.Size, OrderedDict,
+    defaultdict, numpy arrays and scalars (numpy needed), and XTuner's DSATopKCacheState."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(seed)
+    rnd = np.random.default_rng(seed)
+    arrays = {}
+    for dt in ["i1", "u1", "<i2", ">i2", "<i4", "<u4", "<i8", ">u8", "<f2", "<f4", ">f8", "<c8",
+               "<c16", np.longdouble, "<M8[ns]", "<m8[s]", "M8[D]", "|S3", "|V4"]:
+        dt = np.dtype(dt)
+        raw = rnd.integers(0, 256, size=6 * dt.itemsize, dtype=np.uint8)
+        arrays[dt.str] = raw.view(dt).reshape(2, 3)  # NaN payloads, every bit pattern
+    arrays["bool"] = rnd.integers(0, 2, size=(4,)).astype(bool)
+    arrays["str"] = np.array([["ab", "ü"], ["", "xyz"]])
+    base = rnd.standard_normal((4, 6))
+    readonly = np.arange(5)
+    readonly.flags.writeable = False
+    ids = torch.randint(0, 100, (3,), generator=g)
+    ctx = xtuner_batch(seed, 512, 1, media=0)[0]
+    ctx["seq_ctx"].dsa_state = DSATopKCacheState()  # released_sources: an empty set
+    return {
+        "sets": {"strs": {"a", "b", "ünï", "", f"s{seed}"}, "ints": {1, -5, 2**40, seed},
+                 "mixed": {None, True, 1.5, "x", b"y", (1, "t"), frozenset({"q", "r"}),
+                           Color.RED, Point(1, "p")},
+                 "empty": set(), "frozen": frozenset({3, 4}), "empty_frozen": frozenset()},
+        "enums": [Color.RED, Color.GREEN, Perm.R, Perm.R | Perm.W, Perm(0)],
+        "named": [Point(seed, [ids, ids]), Typed(3), Typed(4, "w"), Point(Point(1, 2), None)],
+        "sizes": [torch.Size([2, 3]), torch.Size([])],
+        "ordered": collections.OrderedDict([(3, "c"), (1, "a"), (2, ids)]),
+        "ordered_empty": collections.OrderedDict(),
+        "defaults": [collections.defaultdict(list, {"a": [1]}), collections.defaultdict(int),
+                     collections.defaultdict(None, {"k": 1}), collections.defaultdict(Plain),
+                     collections.defaultdict(set, {"s": {"x"}})],
+        "arrays": arrays,
+        "layouts": {"0d": np.array(2.5), "empty": np.zeros((0, 3)), "t": base.T, "step": base[:, ::2],
+                    "fortran": np.asfortranarray(base), "readonly": readonly, "rows": base[1:3],
+                    "twice": [base, base]},
+        "np_scalars": [np.float32(1.5), np.int64(-3), np.bool_(True), np.float64("nan"),
+                       np.str_("hé"), np.bytes_(b"x\x00"), np.datetime64("2020-01-01", "D"),
+                       np.complex64(1 + 2j), np.uint8(255), np.float16(-0.0)],
+        "xtuner": ctx,
+    }
+
+
 # ---- bit-exact comparison ---------------------------------------------------------------------
 
 def tensor_bytes(t):
@@ -172,14 +252,25 @@ def assert_same(expected, got, path="batch", tensors=None):
         tensors.append((expected, got, path))
     elif te is float:
         assert _same_float(expected, got), f"{path}: {got!r} != {expected!r}"
-    elif te in (list, tuple):
+    elif isinstance(expected, enum.Enum):
+        assert got is expected, f"{path}: {got!r} is not {expected!r}"
+    elif te.__module__ == "numpy":
+        assert got.dtype == expected.dtype, f"{path}: dtype {got.dtype} != {expected.dtype}"
+        assert got.shape == expected.shape, f"{path}: shape {got.shape} != {expected.shape}"
+        assert got.tobytes() == expected.tobytes(), f"{path}: values differ"
+    elif issubclass(te, (list, tuple)):  # named tuples and torch.Size too
         assert len(got) == len(expected), f"{path}: length {len(got)} != {len(expected)}"
         for i, (e, g) in enumerate(zip(expected, got)):
             assert_same(e, g, f"{path}[{i}]", tensors)
-    elif te is dict:
+    elif issubclass(te, dict):  # OrderedDict and defaultdict too
         assert list(got) == list(expected), f"{path}: keys {list(got)} != {list(expected)}"
+        assert getattr(got, "default_factory", None) is getattr(expected, "default_factory", None), path
         for k in expected:
             assert_same(expected[k], got[k], f"{path}[{k!r}]", tensors)
+    elif te in (set, frozenset):
+        assert got == expected, f"{path}: {got!r} != {expected!r}"
+        kinds = lambda s: sorted(f"{type(x).__qualname__}:{x!r}" for x in s)  # noqa: E731
+        assert kinds(got) == kinds(expected), f"{path}: element types differ"
     elif te in (int, bool, str, bytes, type(None)):
         assert got == expected, f"{path}: {got!r} != {expected!r}"
     else:

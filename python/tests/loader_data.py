@@ -4,6 +4,7 @@ DataLoader workers and every rank can import them)."""
 import hashlib
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
 from batches import SequenceContext
@@ -119,3 +120,62 @@ class StatefulLoader:
 
     def load_state_dict(self, state):
         self.start = state["pos"]
+
+
+class XTunerLikeLoader:
+    """XTuner's Dataloader as the trainer sees it: set_epoch (which draws from the default
+    generator, as a sampler reseeding itself might), get_state_dict - a collective over the
+    loader's DP group, as XTuner gathers consumed samples - and load_state_dict; iterating
+    draws the base seed, as a DataLoader with workers does. A pass's order depends on
+    (seed, epoch) only; each batch also carries the draw of the last set_epoch."""
+
+    def __init__(self, seed, dp_group=None, n=10, batch=2):
+        self.seed, self.dp_group, self.n, self.batch = seed, dp_group, n, batch
+        self.epoch, self.pos, self.salt, self.consumed = 0, 0, -1, 0
+        self.set_epochs = []  # every set_epoch call, for the tests
+
+    def __len__(self):
+        return self.n // self.batch
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+        self.salt = int(torch.randint(0, 1 << 30, (1,)))
+        self.set_epochs.append(epoch)
+
+    def __iter__(self):
+        torch.empty((), dtype=torch.int64).random_()  # the base seed
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1000 + self.epoch))
+        start, self.pos = self.pos, 0
+        for b in range(start, len(self)):
+            self.pos = b + 1
+            self.consumed += self.batch
+            yield {"epoch": self.epoch, "salt": self.salt,
+                   "idx": order[b * self.batch:(b + 1) * self.batch].clone()}
+        self.pos = 0
+
+    def get_state_dict(self, *extra):
+        total = torch.tensor([self.consumed])
+        if self.dp_group is not None:
+            dist.all_reduce(total, group=self.dp_group)
+        return {"epoch": self.epoch, "salt": self.salt, "pos": self.pos,
+                "total_consumed": int(total), "extra": list(extra)}
+
+    def load_state_dict(self, state):
+        self.epoch, self.salt, self.pos = state["epoch"], state["salt"], state["pos"]
+
+
+class HookedLoader(XTunerLikeLoader):
+    """State under other names: the LeaderLoader gets hooks for them."""
+
+    get_state_dict = None
+    load_state_dict = None
+
+    def __init__(self, dataset, seed):
+        super().__init__(seed, n=len(dataset))
+        self.dataset = dataset
+
+    def snapshot(self):
+        return {"epoch": self.epoch, "salt": self.salt, "pos": self.pos}
+
+    def restore(self, state):
+        self.epoch, self.salt, self.pos = state["epoch"], state["salt"], state["pos"]

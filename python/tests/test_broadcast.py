@@ -1,5 +1,6 @@
 """spbcast.broadcast between real Gloo ranks: round trips, aliasing, errors, the GIL."""
 
+import collections
 import dataclasses
 import datetime
 import enum
@@ -103,7 +104,7 @@ def test_leader_allocates_in_shared_memory():
     run(3, _leader_allocates)
 
 
-def _set(): return [{"seq_ctx": {"ids": torch.ones(2)}}, {"seq_ctx": {"a": {1, 2}}}]
+def _set(): return [{"seq_ctx": {"ids": torch.ones(2)}}, {"seq_ctx": {"a": {1, torch.ones(1)}}}]
 
 
 def _lambda():
@@ -137,7 +138,7 @@ def _object_path():
 
 
 REFUSED = [
-    (_set, 'batch[1]["seq_ctx"]["a"]', "a set"),
+    (_set, 'batch[1]["seq_ctx"]["a"]', "a set holding a Tensor"),
     (_lambda, 'batch[1]["seq_ctx"]["fn"]', "never code"),
     (_meta, 'batch["t"]', "a tensor on meta"),
     (_sparse, "batch[0]", "sparse_coo tensor"),
@@ -148,24 +149,35 @@ REFUSED = [
     (lambda: {(1, 2): 1}, "batch", "dict key of type tuple"),
     (_cycle, "batch[1]", "cycle"),
     (_object_path, 'batch[1]["seq_ctx"].pixel_values', "a tensor on meta"),
-    (lambda: torch.Size([2]), "batch", "tuple(size)"),
+    (lambda: collections.Counter(a=1), "batch", "a subclass of a built-in type"),
+    (lambda: {"d": collections.defaultdict(lambda: 0)}, 'batch["d"]', "default_factory is <function"),
     (lambda: [torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)], "batch[0]", "dtype torch.qint8"),
     (lambda: {"s": "x" * ((64 << 20) + 1)}, 'batch["s"]', "limit of 67108864 per string"),
     (lambda: {"b": bytes((64 << 20) + 1)}, 'batch["b"]', "torch.frombuffer"),
     (lambda: functools.reduce(lambda x, _: [x], range(MAX_DEPTH + 1), 0),
      "batch" + "[0]" * MAX_DEPTH, f"deeper than {MAX_DEPTH}"),
-    (lambda: {"mode": Color.RED}, 'batch["mode"]', "enum member"),
+    (lambda: {"mode": Color.RED}, 'batch["mode"]', "spbcast.allow_classes(test_broadcast.Color)"),
+    (lambda: [NotAllowed()], "batch[0]", "call spbcast.allow_classes(test_broadcast.NotAllowed) (or "
+     "spbcast.allow_modules('test_broadcast'))"),
     (lambda: [object()], "batch[0]", "no __dict__"),
 ]
 
 
-class Color(enum.Enum):
+class Color(enum.Enum):  # not allowed: refused
     RED = 1
+
+
+@dataclasses.dataclass
+class NotAllowed:  # not allowed: refused
+    a: int = 0
 
 
 @dataclasses.dataclass
 class Unset:
     a: int  # never set: reading it raises AttributeError
+
+
+spbcast.allow_classes(Unset)
 
 
 def _unset():
@@ -221,24 +233,27 @@ def _errors(rank, world):
     with pytest.raises(spbcast.Error, match="src=7 is not a rank") as info:
         spbcast.broadcast(None, src=7)
     assert info.value.code == "invalid_argument"
-    # A class a follower cannot import: that follower raises SchemaError, the others succeed,
-    # and the group stays in step.
+    # A class a follower does not allow (this program allows it on the other ranks only):
+    # that follower raises SchemaError naming the path, the class and the call that allows
+    # it, the others succeed, and the group stays in step (test_values.py has the rest).
     import batches
-    saved = batches.Plain
+    allowed = spbcast._wire._allowed_classes
     if rank == 1:
-        del batches.Plain
+        del allowed[("batches", "Plain")]
     try:
         if rank == 1:
-            with pytest.raises(spbcast.SchemaError, match="cannot import") as info:
+            with pytest.raises(spbcast.SchemaError) as info:
                 spbcast.broadcast(None, src=0)
-            assert info.value.code == "schema_mismatch"
+            assert info.value.code == "schema_mismatch" and info.value.root_schema == "batches.Plain"
+            assert str(info.value).startswith("spbcast: rank 1: cannot rebuild batch[0]: ")
+            assert "spbcast.allow_classes(batches.Plain)" in str(info.value), str(info.value)
         else:
-            obj = saved()
+            obj = batches.Plain()
             obj.x = 1
-            got = spbcast.broadcast(obj if rank == 0 else None, src=0)
-            assert type(got) is saved and got.x == 1
+            got = spbcast.broadcast([obj] if rank == 0 else None, src=0)
+            assert type(got[0]) is batches.Plain and got[0].x == 1
     finally:
-        batches.Plain = saved
+        allowed[("batches", "Plain")] = batches.Plain
     assert spbcast.broadcast([1] if rank == 0 else None, src=0) == [1]
 
 
