@@ -46,6 +46,8 @@
 #include "profiles.hpp"
 #include "support/processes.hpp"
 
+#include <ATen/Parallel.h>
+
 #include <spbcast/spbcast.hpp>
 
 #include <dirent.h>
@@ -527,6 +529,9 @@ std::pair<pid_t, int> fork_waiting_child(Check check) {
     if (::pipe(go) != 0) throw std::runtime_error("pipe failed");
     const pid_t child = ::fork();
     if (child == 0) {
+        // libgomp is not fork-safe: a child of a process that ran OpenMP regions must not start
+        // one (as DataLoader workers do, LibTorch 2.x then runs every op on this thread).
+        at::set_num_threads(1);
         ::close(go[1]);
         char c;
         while (::read(go[0], &c, 1) < 0 && errno == EINTR) {

@@ -9,6 +9,7 @@
 
 #include <doctest/doctest.h>
 
+#include <ATen/Parallel.h>
 #include <c10/core/CPUAllocator.h>
 
 #include <sys/socket.h>
@@ -457,6 +458,7 @@ TEST_CASE("shared memory: fork while other threads allocate, free and report: th
     for (int i = 0; i < 40; ++i) {
         const pid_t child = ::fork();
         if (child == 0) {
+            at::set_num_threads(1);  // libgomp is not fork-safe (see shm_worker.cpp)
             // Every lock the library may take here must be free in the child.
             {
                 spbcast::shared_memory_scope in_shared_memory;
