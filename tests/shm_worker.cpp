@@ -595,7 +595,7 @@ int soak(char** argv) {
         if (env.rank == 1) {
             kept.push_back(batch);
             if (kept.size() >= 1 + (r >> 40) % 300) kept.clear();  // a burst of releases
-            if (round % 997 == 500 && child.first < 0) {
+            if (round % 997 == std::min(500, rounds / 2) && child.first < 0) {  // at least one per run
                 std::vector<std::uint64_t> digests;
                 for (const auto& b : kept) digests.push_back(spbcast::digest(b));
                 child = fork_waiting_child([&kept, digests] {
@@ -618,7 +618,7 @@ int soak(char** argv) {
         if (round == warm) {
             kept.clear();
             fds_at_warm = count_fds();
-            rss_at_warm = kib_of("/proc/self/status", "VmRSS:");
+            rss_at_warm = kib_of("/proc/self/status", "RssAnon:");
         }
     }
     if (child.first >= 0 && wake_and_wait(child) != 0) return 1;
@@ -626,18 +626,23 @@ int soak(char** argv) {
     barrier(group);
     barrier(group);  // the root has read every answer by now
     const auto fds = count_fds();
-    const long rss = kib_of("/proc/self/status", "VmRSS:");
+    const long rss = kib_of("/proc/self/status", "RssAnon:");  // free segments the root keeps are checked above
     const auto stats = spbcast::shared_memory_statistics();
     std::cout << "rank " << env.rank << " shared " << chose_shared(group, 0) << " fds " << fds_at_warm.total
-              << " -> " << fds.total << ", rss " << rss_at_warm << " -> " << rss << " KiB, pool cached "
+              << " -> " << fds.total << " (memfds " << fds_at_warm.memfds << " -> " << fds.memfds << "), anonymous rss "
+              << rss_at_warm << " -> " << rss << " KiB, pool cached "
               << stats.cached_bytes << " held " << stats.held_bytes << " reused " << stats.segments_reused
               << " created " << stats.segments_created << " forgotten " << stats.segments_forgotten
               << " segments " << stats.segments << (env.rank == 1 ? ", forked children " + std::to_string(children) : "")
               << "\n";
     if (!chose_shared(group, 0)) return 1;
-    // Followers hold no segment between batches; the root's pool holds a bounded few.
+    // Followers hold no segment between batches. The root's other descriptors stay as they
+    // were; its segments are only the free ones its pool keeps (every answer has been read).
     if (env.rank != 0 && fds.total != fds_at_warm.total) return 1;
-    if (env.rank == 0 && (fds.total > fds_at_warm.total + 4 || stats.held_bytes + stats.cached_bytes > (64u << 20)))
+    const auto limits = spbcast::shared_memory_limits_in_use();
+    if (env.rank == 0 && (fds.total - fds.memfds > fds_at_warm.total - fds_at_warm.memfds ||
+                          stats.held_bytes != 0 || fds.memfds > static_cast<int>(limits.free_segments) + 1 ||
+                          stats.cached_bytes > (64u << 20)))
         return 1;
 #if !defined(__SANITIZE_ADDRESS__)
     // Not under AddressSanitizer: its quarantine keeps freed memory resident by design
