@@ -152,8 +152,7 @@ inline receive_status receive_message(int sock, shm_message& m, std::vector<owne
             fds.emplace_back(received);
         }
     }
-    if (n == 0) return receive_status::closed;
-    if (n < 0) return receive_status::closed;
+    if (n <= 0) return receive_status::closed;
     if (n != static_cast<ssize_t>(sizeof m) || m.magic != shm_message_magic || (msg.msg_flags & MSG_TRUNC) ||
         m.count > max_batch_segments || m.descriptors > m.count)
         return receive_status::malformed;
@@ -234,11 +233,6 @@ public:
         sock_.reset();
         released_.clear();
         forked_.clear();
-    }
-
-    std::size_t backlog() {
-        std::lock_guard<std::mutex> lock(mutex_);
-        return released_.size() + forked_.size();
     }
 
 private:
