@@ -46,8 +46,11 @@ decltype(auto) group_of(G& group) {
 
 // spbcast keeps a little state per group (group_state.hpp): the broadcast count every frame is
 // checked against, and whether this rank left the group out of step. c10d groups are tracked
-// for their lifetime. A transport of your own that is not a c10::intrusive_ptr_target is known
-// by its address: call this when destroying it, so a new object at that address starts fresh.
+// by a weak reference, so a new group can never inherit a dropped one's state; the weak
+// reference defers the dropped group's destructor (Gloo joins its threads and closes its
+// sockets there) to the next spbcast call in this process, or to the drop itself when you call
+// this first. A transport of your own that is not a c10::intrusive_ptr_target is known by its
+// address: call this when destroying it, so a new object at that address starts fresh.
 template <class Group>
 void forget_group(Group&& group) {
     detail::group_registry::instance().forget(static_cast<const void*>(&detail::group_of(group)));
