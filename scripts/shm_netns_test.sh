@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The same-host path with a follower in another network namespace: ranks 0 and 1 in one
-# namespace, rank 2 in another, joined by a veth pair (10.98.0.1/24 and 10.98.0.2/24) that Gloo
-# uses (scripts/netns_common.sh). The abstract Unix socket of the root lives in its namespace,
-# so the handshake must choose the network path for the whole group (batches bit-exact), and
-# transport_mode::shared_memory must be refused on every rank with the reason.
+# The same-host path with ranks in another network namespace, which spbcast takes for another
+# host: namespaces joined by a veth pair (10.98.0.1/24 and 10.98.0.2/24) that Gloo uses
+# (scripts/netns_common.sh). With ranks 0 and 1 in one namespace and rank 2 in the other, the
+# handshake must choose the network path for the whole group (batches bit-exact) and
+# transport_mode::shared_memory must be refused on every rank with the reason; with two ranks
+# on each side it must choose the hierarchical path (one copy over the link, shared memory on
+# each side), and transport_mode::hierarchical relays to a rank alone on its side too.
 #
 # Bounded, self-cleaning (trap), and skipped - exit 77 - where it cannot run: not root, no
 # ip(8), no network namespaces or veth pairs.
@@ -21,26 +23,31 @@ netns_init
 netns_pair sps 10.98.0.1 10.98.0.2
 PORT=29400  # a fresh namespace: nothing else listens there; one port per run
 
-run() {  # <transport> <expect>
-    local status=0
+run() {  # <world> <first rank in the second namespace> <root> <transport> <expect>
+    local world=$1 split=$2 root=$3 status=0
     PORT=$((PORT + 1))
     PIDS=()
-    for rank in 0 1 2; do
+    for rank in $(seq 0 $((world - 1))); do
         local ns=$NS_A dev=$VETH_A
-        if [ $rank = 2 ]; then ns=$NS_B; dev=$VETH_B; fi
-        ip netns exec "$ns" env MASTER_ADDR=$ADDR_A MASTER_PORT=$PORT RANK=$rank WORLD_SIZE=3 LOCAL_RANK=$rank \
+        if [ "$rank" -ge "$split" ]; then ns=$NS_B; dev=$VETH_B; fi
+        ip netns exec "$ns" env MASTER_ADDR=$ADDR_A MASTER_PORT=$PORT RANK=$rank WORLD_SIZE=$world LOCAL_RANK=$rank \
             GLOO_SOCKET_IFNAME=$dev timeout 120 \
-            "$WORKER" check qwen3-vl-image 1 3 0 "$1" "$2" > "$WORK/rank$rank.log" 2>&1 &
+            "$WORKER" check qwen3-vl-image 1 3 "$root" "$4" "$5" > "$WORK/rank$rank.log" 2>&1 &
         PIDS+=($!)
     done
-    for rank in 0 1 2; do
-        wait "${PIDS[$rank]}" || { status=1; echo "shm_netns_test: rank $rank failed ($1, expecting $2):"; }
+    for rank in $(seq 0 $((world - 1))); do
+        wait "${PIDS[$rank]}" || { status=1; echo "shm_netns_test: rank $rank failed ($world ranks, root $root, $4, expecting $5):"; }
         sed "s/^/  rank $rank: /" "$WORK/rank$rank.log"
     done
     return $status
 }
 
-run auto network || fail "transport automatic with a follower in another network namespace"
-run shm refused || fail "transport shared_memory with a follower in another network namespace"
+run 3 2 0 auto network || fail "transport automatic with a follower alone in another network namespace"
+run 3 2 0 shm refused || fail "transport shared_memory with a follower in another network namespace"
 grep -q "another network namespace" "$WORK/rank0.log" || fail "the refusal does not name the reason"
+# Two ranks on each side: the payload crosses the link once, to the other side's host leader.
+run 4 2 0 auto hosts || fail "transport automatic over two namespaces of two ranks each"
+run 4 2 3 auto hosts || fail "transport automatic over two namespaces, the root not its side's lowest rank"
+# A rank alone on its side: hierarchical relays to it all the same (into its own memory).
+run 3 2 1 hier hosts || fail "transport hierarchical with a follower alone in another network namespace"
 echo "shm_netns_test: PASSED"

@@ -1,9 +1,10 @@
 // One rank of the same-host path's multi-process tests (tests/test_shared_memory.cpp), started
 // with the launcher environment over a real Gloo group.
 //
-//   spbcast_shm_worker check <profile> <micro_batches> <steps> <root> <auto|network|shm> <shared|network|refused>
-//       broadcasts realistic batches; checks digests, which path was chosen, that a follower's
-//       writes stay private to it, that storages resize; prints this rank's descriptors.
+//   spbcast_shm_worker check <profile> <micro_batches> <steps> <root> <auto|network|shm|hier> <shared|hosts|network|refused>
+//       broadcasts realistic batches; checks digests, which path was chosen (hosts: the
+//       hierarchical one, over hosts), that a follower's writes stay private to it, that storages
+//       resize; prints this rank's descriptors.
 //   spbcast_shm_worker root_dies <profile>
 //       the root sends one batch and exits; followers check that batch afterwards.
 //   spbcast_shm_worker kill_loop <seed>
@@ -101,13 +102,26 @@ long kib_of(const char* file, const char* key) {
 spbcast::transport_mode mode_of(const std::string& s) {
     if (s == "network") return spbcast::transport_mode::network;
     if (s == "shm") return spbcast::transport_mode::shared_memory;
+    if (s == "hier") return spbcast::transport_mode::hierarchical;
     return spbcast::transport_mode::automatic;
 }
 
 template <class G>
-bool chose_shared(G& group, int root) {
+std::shared_ptr<spbcast::detail::same_host_state> path_of(G& group, int root) {
     auto state = spbcast::detail::same_host_registry::instance().find(&spbcast::detail::group_of(group), root);
-    return state && state->shared;
+    return state && state->shared ? state : nullptr;
+}
+
+template <class G>
+bool chose_shared(G& group, int root) {
+    return path_of(group, root) != nullptr;
+}
+
+// "shared" (one host), "hosts" (the hierarchical path) or "network".
+template <class G>
+std::string path_name(G& group, int root) {
+    const auto state = path_of(group, root);
+    return !state ? "network" : state->relays() ? "hosts" : "shared";
 }
 
 // Every tensor of the batch, for writing into.
@@ -136,7 +150,11 @@ int check(int argc, char** argv) {
     (void)argc;
     auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
     const spbcast::options opts{.root = root, .timeout = std::chrono::seconds(30), .transport = transport};
-    const int writer = root == 0 ? 1 : 0;  // the follower whose writes must stay private
+    // The followers whose writes must stay private: one on the root's host, and the last rank
+    // (on another host when the group spans hosts).
+    const int writer = root == 0 ? 1 : 0;
+    const int other_writer = env.world_size - 1 == root ? env.world_size - 2 : env.world_size - 1;
+    const auto writes = [&](int r) { return r == writer || (r == other_writer && env.world_size > 3); };
     for (int step = 0; step < steps; ++step) {
         xtuner::Batch batch;
         if (env.rank == root) batch = xtuner::make_batch(profile, micro_batches, step);
@@ -153,10 +171,9 @@ int check(int argc, char** argv) {
             std::cerr << "rank " << env.rank << ": transport shared_memory was not refused\n";
             return 1;
         }
-        const bool shared = chose_shared(group, root);
-        if (shared != (expect == "shared")) {
-            std::cerr << "rank " << env.rank << ": expected the " << expect << " path, got "
-                      << (shared ? "shared" : "network") << "\n";
+        const std::string path = path_name(group, root);
+        if (path != expect) {
+            std::cerr << "rank " << env.rank << ": expected the " << expect << " path, got " << path << "\n";
             return 1;
         }
         const auto want = spbcast::digest(xtuner::make_batch(profile, micro_batches, step));
@@ -166,14 +183,14 @@ int check(int argc, char** argv) {
         }
         if (step == 0 && env.world_size > 2) {
             // One follower writes over its whole batch; every other rank must not see it.
-            if (env.rank == writer)
+            if (writes(env.rank))
                 for (auto& t : tensors_of(batch)) t.fill_(7);
             barrier(group);
-            if (spbcast::digest(batch) != want && env.rank != writer) {
+            if (spbcast::digest(batch) != want && !writes(env.rank)) {
                 std::cerr << "rank " << env.rank << ": another rank's write showed in this rank's batch\n";
                 return 1;
             }
-            if (env.rank == writer && spbcast::digest(batch) == want) {
+            if (writes(env.rank) && spbcast::digest(batch) == want) {
                 std::cerr << "rank " << env.rank << ": a write did not change its own batch\n";
                 return 1;
             }
@@ -187,7 +204,7 @@ int check(int argc, char** argv) {
                 return 1;
             }
         }
-        std::cout << "rank " << env.rank << " step " << step << " ok " << (shared ? "shared" : "network") << "\n";
+        std::cout << "rank " << env.rank << " step " << step << " ok " << path << "\n";
     }
     barrier(group);
     const auto fds = count_fds();
@@ -195,8 +212,11 @@ int check(int argc, char** argv) {
     std::cout << "rank " << env.rank << " fds " << fds.total << " memfds " << fds.memfds << " sockets "
               << fds.sockets << " reused " << stats.segments_reused << " created " << stats.segments_created
               << "\n";
-    // A follower holds no segment descriptor between batches (its mappings need none).
-    if (env.rank != root && fds.memfds != 0) {
+    // A follower holds no segment descriptor between batches (its mappings need none); a host
+    // leader keeps its pool's, as the root does.
+    const auto state = path_of(group, root);
+    const bool leads_host = state && state->relays() && state->leader == env.rank;
+    if (env.rank != root && !leads_host && fds.memfds != 0) {
         std::cerr << "rank " << env.rank << ": " << fds.memfds << " memfd descriptors left open\n";
         return 1;
     }

@@ -59,7 +59,13 @@ std::shared_ptr<same_host_state> same_host_for(Group& g, const options& opts, gr
     if (!state) {
         // A user's own transport cannot be told from a later one at the same address (see
         // same_host_registry): the root offers the same-host path there only when asked for it.
+        if (opts.transport == transport_mode::hierarchical && !point_to_point_group<Group>)
+            throw error(errc::invalid_argument,
+                        "spbcast: rank " + std::to_string(g.getRank()) +
+                            ": options.transport = hierarchical needs a group with send and recv (a c10d "
+                            "ProcessGroup or backend); use transport_mode::automatic or network with this group");
         const bool offers = opts.transport == transport_mode::shared_memory ||
+                            opts.transport == transport_mode::hierarchical ||
                             (opts.transport == transport_mode::automatic && same_host_registry::tracked<Group>);
         if (is_root && !offers) return nullptr;
         state = same_host_handshake(g, opts, gstate, sequence, early_frame);

@@ -20,13 +20,18 @@ struct limits {
     std::size_t max_depth = 512;                              // nesting of dynamic IValues
 };
 
-// How the payload travels (README: "The same-host path").
+// How the payload travels (README: "The same-host path", "Groups that span hosts").
 enum class transport_mode {
-    // Shared memory when every rank of the group is on this host and the handshake succeeds,
-    // the network path otherwise; decided by every rank together, once per (group, root).
+    // Shared memory when every rank of the group is on the root's host; hierarchical when the
+    // group spans hosts, each host has at least two ranks and the group has send/recv; the
+    // network path otherwise. Decided by every rank together, once per (group, root).
     automatic,
     network,        // always over the group's own collectives
     shared_memory,  // shared memory or a spbcast::error on every rank saying why it cannot
+    // The payload crosses the network once per remote host (root to each host leader, send/recv
+    // on the group) and reaches every rank of a host through shared memory. A host where shared
+    // memory fails gets the payload rank by rank; a group without send/recv raises on every rank.
+    hierarchical,
 };
 
 struct options {

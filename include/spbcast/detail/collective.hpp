@@ -16,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <chrono>
+#include <concepts>
 #include <deque>
 #include <functional>
 #include <optional>
@@ -24,6 +25,18 @@
 #include <vector>
 
 namespace spbcast::detail {
+
+// A group that also sends to and receives from one rank (c10d's send/recv), with the same work
+// handle as its broadcast: what the hierarchical transport needs between hosts.
+template <class G>
+concept point_to_point_group = requires(G& g, std::vector<at::Tensor>& tensors) {
+    { g.send(tensors, 0, 0) } -> std::same_as<decltype(g.broadcast(tensors, std::declval<const c10d::BroadcastOptions&>()))>;
+    { g.recv(tensors, 0, 0) } -> std::same_as<decltype(g.broadcast(tensors, std::declval<const c10d::BroadcastOptions&>()))>;
+};
+
+// The tag of spbcast's point-to-point messages. Gloo keeps them apart from its collectives; the
+// order of a broadcast's messages is fixed, so one tag serves them all.
+inline constexpr int point_to_point_tag = 0x5bca;
 
 // Extra time on top of options.timeout before we stop waiting ourselves: the backend is given
 // the same timeout and normally reports first, with its own, more precise message.
@@ -74,6 +87,25 @@ public:
             fail(p.phase, exception_text(e));
         }
         pending_.push_back(std::move(p));
+    }
+
+    // Starts sending `buffer` to group rank `peer` (send) or receiving it from there (!send):
+    // bounded by options.timeout and reported like a broadcast.
+    void launch_point_to_point(at::Tensor buffer, int peer, bool send, std::string phase) {
+        if constexpr (point_to_point_group<Group>) {
+            while (pending_.size() >= std::max<std::size_t>(opts_.max_in_flight, 1)) finish_oldest();
+            pending p{{}, buffer, std::move(phase), {}, {buffer}, opts_.timeout};
+            try {
+                p.work = send ? group_.send(p.tensors, peer, point_to_point_tag)
+                              : group_.recv(p.tensors, peer, point_to_point_tag);
+            } catch (const std::exception& e) {
+                fail(p.phase, exception_text(e));
+            }
+            pending_.push_back(std::move(p));
+        } else {
+            (void)buffer, (void)peer, (void)send;
+            break_group(errc::invalid_argument, where() + ": the group has no send/recv", phase);
+        }
     }
 
     void run(at::Tensor buffer, std::string phase,

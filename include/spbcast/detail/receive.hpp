@@ -344,14 +344,20 @@ inline std::exception_ptr as_spbcast_error(std::exception_ptr failure, const std
 // Follower, before any payload: takes the same-host message that answers this frame off the
 // socket first (so the descriptor stream stays in step whatever this rank does with the batch;
 // what is not mapped is released), checks the agreement and the frame, and places the
-// payload's storages. Returns why this rank refuses the batch, or null.
+// payload's storages. On a host other than the root's the segment comes from the host leader,
+// for relayed frames only; the host leader itself brings its slots in `segment_slots` (or why
+// it has none in `relay_failure`). Returns why this rank refuses the batch, or null.
 template <class T, class Group>
 std::exception_ptr accept_frame(collective<Group>& c, const frame_header& header, const std::vector<std::uint8_t>& body,
                                 const std::vector<slot_meta>& slots, same_host_state* same_host,
-                                std::optional<parsed_frame>& frame, std::vector<at::Tensor>& segment_slots) {
+                                std::optional<parsed_frame>& frame, std::vector<at::Tensor>& segment_slots,
+                                std::exception_ptr relay_failure) {
     try {
+        const bool remote = same_host && same_host->relays() && same_host->leader != c.opts().root;
+        const bool leads_remote = remote && same_host->leader == c.rank();
         std::optional<segment_delivery> delivery;
-        if (header.flags & shared_segment) delivery = take_segments(c, same_host, header.sequence);
+        if ((header.flags & shared_segment) && !leads_remote && (!remote || (header.flags & relayed)))
+            delivery = take_segments(c, same_host, header.sequence);
         std::exception_ptr disagreement;
         try {
             check_agreement(c, header);
@@ -369,8 +375,24 @@ std::exception_ptr accept_frame(collective<Group>& c, const frame_header& header
         if (frame && frame->mismatch) return frame->mismatch;
         if (disagreement) return disagreement;
         if (unusable) return unusable;
-        if (frame->segment) {
+        if (relay_failure) return relay_failure;
+        if (frame->segment && remote && !leads_remote) {
+            std::vector<std::uint64_t> offsets;
+            segment_layout local = relay_layout(*frame->segment, offsets);
+            if (delivery->message.count == 0)
+                throw error(errc::limit_exceeded,
+                            c.where() + ": the host leader (rank " + std::to_string(same_host->leader) +
+                                ") could not place the relayed batch in shared memory; this batch is lost on "
+                                "this host, the group stays usable");
+            local.segments[0].id = delivery->message.ids[0];
+            local.segments[0].capacity = delivery->message.capacity;
+            if (local.segments[0].used > local.segments[0].capacity)
+                throw error(errc::corrupt_frame, c.where() + ": the host leader's segment is smaller than the batch");
+            segment_slots = map_segments(c, *delivery, local, slots);
+        } else if (frame->segment && !leads_remote) {
             segment_slots = map_segments(c, *delivery, *frame->segment, slots);
+        }
+        if (frame->segment) {
             frame->plan.adopt_slots(segment_slots);
         } else {
             frame->plan.allocate();
@@ -395,9 +417,21 @@ void receive(collective<Group>& c, T& value, same_host_state* same_host = nullpt
         same_host->end_path(c.where() + ": the root (rank " + std::to_string(header.root) +
                             ") ended the same-host path: it lost its link to a follower");
 
-    std::optional<parsed_frame> frame;
+    // A host leader relays the batch to its host before anything else: its host's ranks need it
+    // whatever this rank does with it.
     std::vector<at::Tensor> segment_slots;
-    if (const auto refusal = accept_frame<T>(c, header, body, slots, same_host, frame, segment_slots)) {
+    std::exception_ptr relay_failure;
+    if (header.flags & relayed) {
+        if (!same_host || !same_host->relays())
+            c.break_group(errc::out_of_step,
+                          c.where() + ": the root relays this batch between hosts, but this rank left the "
+                                      "hierarchical path; the group is out of step - restart the job",
+                          "relay");
+        if (same_host->leader == c.rank())
+            segment_slots = relay_in(c, *same_host, header, body, slots, relay_failure);
+    }
+    std::optional<parsed_frame> frame;
+    if (const auto refusal = accept_frame<T>(c, header, body, slots, same_host, frame, segment_slots, relay_failure)) {
         const std::vector<std::uint8_t> trailer = drain_payload(c, header, slots);
         read_trailer(header, trailer, c.where(), static_cast<int>(header.root));  // the root's error first
         std::rethrow_exception(refusal);

@@ -28,6 +28,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace spbcast::detail {
@@ -109,12 +110,14 @@ struct segment_plan {
     std::uint64_t copied_bytes = 0;
     bool copies = false;
 
-    explicit segment_plan(const send_plan& plan) : kept(plan.slots().size(), nullptr), copy_offset(plan.slots().size(), 0) {
+    // `keep`: shared allocations of the root's own may stay where they are (they are handed
+    // over); else every slot is copied.
+    segment_plan(const send_plan& plan, bool keep) : kept(plan.slots().size(), nullptr), copy_offset(plan.slots().size(), 0) {
         const auto& slots = plan.slots();
         std::size_t kept_count = 0;
         for (std::uint32_t i = 0; i < slots.size(); ++i) {
             if (slots[i].in_frame) continue;
-            if (slots[i].in_place && kept_count + 1 < max_batch_segments) {
+            if (keep && slots[i].in_place && kept_count + 1 < max_batch_segments) {
                 shared_allocation* a = shared_allocation_of(plan.in_place_source(i).storage);
                 if (a && !a->detached && a->detach()) {
                     kept[i] = a;
@@ -131,15 +134,21 @@ struct segment_plan {
 };
 
 // Root: fills the batch's segment and describes every segment. The descriptors go in this
-// order: the batch's segment, then the kept ones in slot order.
+// order: the batch's segment, then the kept ones in slot order. `pieces`: the bytes of each
+// segment the frame describes, for the relay to other hosts.
 inline segment_layout fill_segments(const send_plan& plan, const segment_plan& where, const shm_pool::lease& lease,
-                                    int holders, bool with_checksums, std::vector<int>& fds) {
+                                    int holders, bool with_checksums, std::vector<int>& fds,
+                                    std::vector<at::Tensor>& pieces) {
     const auto& slots = plan.slots();
     auto& pool = shm_pool::instance();
     segment_layout layout;
+    auto bytes_of = [](void* data, std::uint64_t used) {
+        return at::from_blob(data, {static_cast<std::int64_t>(used)}, at::kByte);
+    };
     if (where.copies) {
         layout.segments.push_back({lease.id, lease.capacity, where.copied_bytes});
         fds.push_back(lease.fd);
+        pieces.push_back(bytes_of(lease.data, where.copied_bytes));
     }
     for (std::uint32_t i = 0; i < slots.size(); ++i) {
         if (slots[i].in_frame) continue;
@@ -152,6 +161,7 @@ inline segment_layout fill_segments(const send_plan& plan, const segment_plan& w
         layout.places.push_back({static_cast<std::uint32_t>(layout.segments.size()), offset});
         layout.segments.push_back({kept->segment, kept->capacity, offset + slots[i].bytes});
         fds.push_back(kept->fd);
+        pieces.push_back(bytes_of(kept->data, offset + slots[i].bytes));
         pool.hold(kept->segment, holders);
         pool.count_tensor(true);
     }
@@ -182,6 +192,7 @@ inline bool hand_over(same_host_state& state, const segment_layout& layout, cons
     m.sequence = sequence;
     for (const auto& s : layout.segments) m.ids[m.count++] = s.id;
     m.descriptors = m.count;
+    if (!layout.segments.empty()) m.capacity = layout.segments.front().capacity;
     for (auto& l : state.links) {
         if (!l.alive) continue;
         for (const auto& s : layout.segments) l.held.insert(s.id);  // forgotten with the link if it fails
@@ -193,29 +204,105 @@ inline bool hand_over(same_host_state& state, const segment_layout& layout, cons
     return state.lost.empty();
 }
 
-// Root: puts the payload of `plan` into segments and hands them to every follower. Returns no
-// layout (and the batch goes over the network) when no segment can be had or a link was lost.
-inline std::optional<segment_layout> place_payload(same_host_state& state, const send_plan& plan,
+// The root's payload once placed: the layout the frame carries and, for the relay to other
+// hosts, the bytes of each of its segments. The batch's segment stays held until relayed.
+struct placed_payload {
+    struct hold {  // one holder of a pool segment, released with it
+        std::optional<std::uint64_t> id;
+        hold() = default;
+        hold(hold&& o) noexcept : id(std::exchange(o.id, std::nullopt)) {}
+        hold& operator=(hold&& o) noexcept {
+            std::swap(id, o.id);
+            return *this;
+        }
+        ~hold() {
+            if (id) shm_pool::instance().release_follower(*id);
+        }
+    };
+    segment_layout layout;
+    std::vector<at::Tensor> pieces;
+    hold held;
+};
+
+// Root: puts the payload of `plan` into segments and hands them to every follower of its host.
+// Returns nothing (and the batch goes over the network) when no segment can be had or a link
+// was lost. A root alone on its host that relays copies the payload into memory of its own.
+inline std::optional<placed_payload> place_payload(same_host_state& state, const send_plan& plan,
                                                    std::uint64_t sequence, const options& opts) {
-    if (transferred_slot_count(plan.slots()) == 0 || state.links.empty()) return std::nullopt;
+    if (transferred_slot_count(plan.slots()) == 0 || (state.links.empty() && !state.relays())) return std::nullopt;
+    placed_payload placed;
+    if (state.links.empty()) {
+        const segment_plan where(plan, false);
+        at::Tensor buffer = at::empty({static_cast<std::int64_t>(where.copied_bytes)}, at::kByte);
+        placed.layout.segments.push_back({0, where.copied_bytes, where.copied_bytes});
+        for (std::uint32_t i = 0; i < plan.slots().size(); ++i) {
+            if (plan.slots()[i].in_frame) continue;
+            auto* at = buffer.data_ptr<std::uint8_t>() + where.copy_offset[i];
+            plan.pack_slot(i, at);
+            placed.layout.places.push_back({0, where.copy_offset[i]});
+            if (opts.checksum) placed.layout.checksums.push_back(checksum64(at, plan.slots()[i].bytes));
+        }
+        placed.pieces.push_back(buffer);
+        return placed;
+    }
     const int holders = static_cast<int>(state.links.size());
     auto& pool = shm_pool::instance();
     pool.next_batch();
-    const segment_plan where(plan);
+    const segment_plan where(plan, true);
     shm_pool::lease lease;
     if (where.copies) {
         std::string why_not;
-        lease = pool.acquire_for_batch(where.copied_bytes, holders, why_not);
+        lease = pool.acquire_for_batch(where.copied_bytes, holders + (state.relays() ? 1 : 0), why_not);
         if (!lease) {
             // The tensors kept above go over the network too, intact: nothing of them has left.
             pool.count_network_fallback();
             return std::nullopt;
         }
+        if (state.relays()) placed.held.id = lease.id;
     }
     std::vector<int> fds;
-    segment_layout layout = fill_segments(plan, where, lease, holders, opts.checksum, fds);
-    if (!hand_over(state, layout, fds, sequence, opts.timeout)) return std::nullopt;
-    return layout;
+    placed.layout = fill_segments(plan, where, lease, holders, opts.checksum, fds, placed.pieces);
+    if (!hand_over(state, placed.layout, fds, sequence, opts.timeout)) return std::nullopt;
+    return placed;
+}
+
+// The bytes each relay message carries at most: a host leader that cannot keep a batch drains
+// it through a buffer of this size.
+inline constexpr std::uint64_t relay_chunk_bytes = std::uint64_t{32} << 20;
+
+// Where the relayed payload lies on a host other than the root's: the root's segments one after
+// the other (aligned) in one segment of that host's leader. Its id and size come with the
+// leader's message (id and capacity stay 0 here).
+inline segment_layout relay_layout(const segment_layout& source, std::vector<std::uint64_t>& piece_offsets) {
+    segment_layout l;
+    std::uint64_t total = 0;
+    piece_offsets.clear();
+    for (const auto& s : source.segments) {
+        total = (total + segment_slot_alignment - 1) / segment_slot_alignment * segment_slot_alignment;
+        piece_offsets.push_back(total);
+        total += s.used;
+    }
+    l.segments.push_back({0, 0, total});
+    for (const auto& p : source.places) l.places.push_back({0, piece_offsets[p.segment] + p.offset});
+    l.checksums = source.checksums;
+    return l;
+}
+
+// Root, after the frame: the bytes of every segment the frame describes go to each other
+// host's leader, in chunks, point to point.
+template <class Group>
+void relay_to_hosts(collective<Group>& c, const same_host_state& state, const std::vector<at::Tensor>& pieces) {
+    for (const relay_host& host : state.hosts) {
+        if (host.leader == c.opts().root) continue;
+        for (std::size_t j = 0; j < pieces.size(); ++j)
+            for (std::int64_t at = 0; at < pieces[j].numel(); at += static_cast<std::int64_t>(relay_chunk_bytes))
+                c.launch_point_to_point(
+                    pieces[j].narrow(0, at, std::min<std::int64_t>(relay_chunk_bytes, pieces[j].numel() - at)),
+                    host.leader, true,
+                    "relay to rank " + std::to_string(host.leader) + ", segment " + std::to_string(j + 1) + "/" +
+                        std::to_string(pieces.size()));
+    }
+    c.wait_all();
 }
 
 // Follower: the descriptors the root sent ahead of this frame; each is reported back as
@@ -244,27 +331,34 @@ struct segment_delivery {
 // rank did not take, a network call of its own) is stale - released unmapped and skipped.
 // Anything else that does not answer this frame ends this rank's link (the root sees it close
 // and ends the path for every rank at its next broadcast).
+// On a host other than the root's the segments come from the host leader, which only the root's
+// frames keep in step: a stream that lost step there leaves this rank out of the group for good.
 template <class Group>
 segment_delivery take_segments(collective<Group>& c, same_host_state* state, std::uint64_t sequence) {
+    const bool relayed = state && state->relays() && state->leader != c.opts().root;
+    const std::string peer = relayed ? "host leader (rank " + std::to_string(state->leader) + ")" : "root";
     auto lost = [&](const std::string& what) {
         const std::string why = c.where() + ": the frame announced shared-memory segments, but " + what;
+        if (relayed)
+            c.break_group(errc::transport, why + "; this rank cannot take the relayed batches any more - restart the job",
+                          "shared segment");
         if (state) state->end_path(why);
         return error(errc::corrupt_frame, why + "; this batch is lost on this rank, and the group takes the network "
                                                 "path from the root's next broadcast on");
     };
-    if (!state || !state->link) throw lost("this rank has no same-host channel to the root");
+    if (!state || !state->link) throw lost("this rank has no same-host channel to the " + peer);
     for (;;) {
         segment_delivery d;
         const auto status = receive_message(state->link->socket(), d.message, d.fds, c.opts().timeout);
         if (status == receive_status::closed)
             throw transport_error(errc::transport,
-                                  c.where() + " failed in phase 'shared segment': the root's same-host "
-                                              "socket closed - the root has probably died; the group is "
-                                              "unusable now - restart the job",
+                                  c.where() + " failed in phase 'shared segment': the " + peer +
+                                      "'s same-host socket closed - it has probably died; the group is "
+                                      "unusable now - restart the job",
                                   "shared segment");
         if (status == receive_status::timed_out) throw lost("no segment descriptors arrived within options.timeout");
         if (status == receive_status::malformed || d.message.kind != shm_message_kind::segments)
-            throw lost("the root's socket delivered a malformed message");
+            throw lost("the " + peer + "'s socket delivered a malformed message");
         d.link = state->link;
         if (d.message.sequence < sequence) continue;  // stale: released as d goes
         if (d.message.sequence > sequence)
@@ -283,6 +377,24 @@ segment_delivery take_segments(collective<Group>& c, same_host_state* state, std
         return d;
     }
 }
+// One uint8 tensor per transferred slot over `mappings`, where `layout` places it (undefined for
+// the slots in the frame); each keeps its mapping alive.
+inline std::vector<at::Tensor> slots_over(const std::vector<std::shared_ptr<shm_mapping>>& mappings,
+                                          const segment_layout& layout, const std::vector<slot_meta>& slots) {
+    std::vector<at::Tensor> out(slots.size());
+    std::uint32_t k = 0;
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+        if (slots[i].in_frame) continue;
+        const auto& place = layout.places[k++];
+        const auto& mapping = mappings[place.segment];
+        auto* keep = new std::shared_ptr<shm_mapping>(mapping);
+        out[i] = byte_tensor_on(static_cast<std::uint8_t*>(mapping->data) + place.offset,
+                                static_cast<std::size_t>(slots[i].bytes), keep,
+                                [](void* p) { delete static_cast<std::shared_ptr<shm_mapping>*>(p); });
+    }
+    return out;
+}
+
 // Maps the delivered segments and returns one uint8 tensor per transferred slot over the
 // mappings (undefined for the slots in the frame); the descriptors are closed before
 // returning. Throws errc::corrupt_frame for segments that do not match the frame.
@@ -315,18 +427,114 @@ std::vector<at::Tensor> map_segments(collective<Group>& c, segment_delivery& d, 
         mappings.push_back(std::move(mapping));
     }
     d.fds.clear();
-    std::vector<at::Tensor> out(slots.size());  // undefined for the slots in the frame
-    std::uint32_t k = 0;
-    for (std::size_t i = 0; i < slots.size(); ++i) {
-        if (slots[i].in_frame) continue;
-        const auto& place = layout.places[k++];
-        const auto& mapping = mappings[place.segment];
-        auto* keep = new std::shared_ptr<shm_mapping>(mapping);
-        out[i] = byte_tensor_on(static_cast<std::uint8_t*>(mapping->data) + place.offset,
-                                static_cast<std::size_t>(slots[i].bytes), keep,
-                                [](void* p) { delete static_cast<std::shared_ptr<shm_mapping>*>(p); });
+    return slots_over(mappings, layout, slots);
+}
+
+// A host leader other than the root, right after the frame of a relayed batch: receives the
+// root's segments into one segment of its own pool (with no rank of its host to serve, into
+// memory of its own), hands that segment to its host and returns its own slot tensors, over a
+// private mapping like a follower's. Every announced message is received whatever happens, so
+// the group stays in step; a batch it cannot place is this host's error for this batch only
+// (`failure` here, an empty message for its followers).
+template <class Group>
+std::vector<at::Tensor> relay_in(collective<Group>& c, same_host_state& state, const frame_header& header,
+                                 const std::vector<std::uint8_t>& body, const std::vector<slot_meta>& slots,
+                                 std::exception_ptr& failure) {
+    segment_layout source;
+    try {
+        if (header.version != format_version) throw error(errc::version_mismatch, c.where() + ": another wire format");
+        byte_reader in(body.data(), body.size(), c.where() + ": corrupt frame");
+        read_slots(in);
+        source = segment_layout::read(in, slots, header.flags & payload_checksums);
+    } catch (const spbcast::error& e) {
+        c.break_group(errc::corrupt_frame,
+                      std::string(e.what()) + "; this host leader cannot tell what the root relays - restart the job",
+                      "relay");
     }
-    return out;
+    std::vector<std::uint64_t> offsets;
+    segment_layout local = relay_layout(source, offsets);
+    const std::uint64_t total = local.segments[0].used;
+    const int root = c.opts().root;
+    state.collect_releases();
+    auto& pool = shm_pool::instance();
+    shm_pool::lease lease;
+    at::Tensor memory;  // where the relayed bytes land; undefined: drained
+    std::string why;
+    if (!state.links.empty()) {
+        pool.next_batch();
+        lease = pool.acquire_for_batch(total, static_cast<int>(state.links.size()) + 1, why);
+        if (lease) memory = at::from_blob(lease.data, {static_cast<std::int64_t>(total)}, at::kByte);
+    } else if (total <= c.opts().limits.max_payload_bytes) {
+        try {
+            memory = receive_cache::instance().allocate(total);
+        } catch (const std::exception& e) {
+            why = exception_text(e);
+        }
+    } else {
+        why = "the batch exceeds limits.max_payload_bytes";
+    }
+    at::Tensor scratch;
+    if (!memory.defined()) {
+        try {
+            scratch = at::empty({static_cast<std::int64_t>(std::min(relay_chunk_bytes, total))}, at::kByte);
+        } catch (const std::exception& e) {
+            c.break_group(errc::limit_exceeded, c.where() + ": cannot drain the relayed batch (" + exception_text(e) +
+                                                    "); the group is out of step - restart the job", "relay");
+        }
+    }
+    for (std::size_t j = 0; j < source.segments.size(); ++j) {
+        const auto used = static_cast<std::int64_t>(source.segments[j].used);
+        for (std::int64_t at = 0; at < used; at += static_cast<std::int64_t>(relay_chunk_bytes)) {
+            const std::int64_t n = std::min<std::int64_t>(relay_chunk_bytes, used - at);
+            at::Tensor into = memory.defined() ? memory.narrow(0, static_cast<std::int64_t>(offsets[j]) + at, n)
+                                               : scratch.narrow(0, 0, n);
+            c.launch_point_to_point(into, root, false,
+                                    "relay from the root, segment " + std::to_string(j + 1) + "/" +
+                                        std::to_string(source.segments.size()));
+        }
+    }
+    c.wait_all();
+    if (!state.links.empty()) {
+        if (lease) {
+            local.segments[0].id = lease.id;
+            local.segments[0].capacity = lease.capacity;
+            hand_over(state, local, {lease.fd}, header.sequence, c.opts().timeout);
+        } else {
+            shm_message none;  // no segment: this batch is lost on this host
+            none.kind = shm_message_kind::segments;
+            none.sequence = header.sequence;
+            for (auto& l : state.links)
+                if (l.alive && send_message(l.sock.get(), none, {}, c.opts().timeout) != send_status::sent)
+                    state.drop_link(l, "its socket stayed full or closed");
+        }
+        // A follower that is gone fails the group's next collective; until then this host
+        // keeps relaying to the others, as the root's frames announce.
+        state.lost.clear();
+    }
+    if (!memory.defined()) {
+        failure = std::make_exception_ptr(error(
+            errc::limit_exceeded, c.where() + ": this host leader could not place the relayed batch (" + why +
+                                      "); this batch is lost on this host, the group stays usable"));
+        return {};
+    }
+    if (!lease) {
+        std::vector<at::Tensor> out(slots.size());
+        for (std::size_t i = 0, k = 0; i < slots.size(); ++i)
+            if (!slots[i].in_frame) out[i] = storage_within(memory, local.places[k++].offset, slots[i].bytes);
+        return out;
+    }
+    auto mapping = std::make_shared<shm_mapping>();
+    mapping->local = true;
+    mapping->segment = lease.id;
+    mapping->bytes = static_cast<std::size_t>((total + segment_page - 1) / segment_page * segment_page);
+    mapping->data = map_private(lease.fd, mapping->bytes);
+    if (mapping->bytes != 0 && !mapping->data) {
+        failure = std::make_exception_ptr(error(
+            errc::limit_exceeded, c.where() + ": this host leader cannot map its segment of the relayed batch (" +
+                                      errno_text(errno) + "); this batch is lost on this rank, the group stays usable"));
+        return {};
+    }
+    return slots_over({mapping}, local, slots);
 }
 
 }  // namespace spbcast::detail

@@ -52,7 +52,8 @@ void send_payload(collective<Group>& c, const send_plan& plan, const frame_heade
 
 // `same_host`: the (group, root)'s same-host path, when it has one. Its followers' answers are
 // read at every broadcast; unless options.transport is network, the transferred slots go into
-// shared segments before the frame is sent, and the frame is the whole broadcast. A link lost
+// shared segments before the frame is sent, and the frame is the whole broadcast - but for the
+// relay to the leaders of other hosts that follows it when the group spans hosts. A link lost
 // since the last broadcast ends the path for every rank: this frame says so (same_host_closed)
 // and this batch and all later ones take the network path.
 template <class T, class Group>
@@ -62,7 +63,7 @@ void send(collective<Group>& c, const T& value, same_host_state* same_host = nul
     byte_writer body;
     byte_writer values;
     encoder enc(values, plan, opts.limits);
-    std::optional<segment_layout> layout;
+    std::optional<placed_payload> placed;
     std::uint32_t path_flags = 0;
     try {
         enc.value(value);
@@ -71,7 +72,7 @@ void send(collective<Group>& c, const T& value, same_host_state* same_host = nul
             same_host->collect_releases();
             if (same_host->lost.empty() && opts.transport != transport_mode::network) {
                 plan.keep_frame_within(same_host_frame_bytes);
-                layout = place_payload(*same_host, plan, c.sequence(), opts);
+                placed = place_payload(*same_host, plan, c.sequence(), opts);
             }
             if (!same_host->lost.empty()) {
                 path_flags = same_host_closed;
@@ -79,7 +80,7 @@ void send(collective<Group>& c, const T& value, same_host_state* same_host = nul
             }
         }
         plan.write_slot_table(body);
-        if (layout) layout->write(body);
+        if (placed) placed->layout.write(body);
         body.put_string(schema_of<T>);
         body.put<std::uint64_t>(values.size());
         body.put_bytes(values.bytes().data(), values.size());
@@ -105,7 +106,7 @@ void send(collective<Group>& c, const T& value, same_host_state* same_host = nul
         frame_header header;
         header.status = static_cast<std::uint16_t>(frame_status::error);
         // Followers were handed the segment already: they take it off their socket and let go.
-        header.flags = (layout ? shared_segment : 0) | path_flags;
+        header.flags = (placed ? shared_segment : 0) | path_flags;
         header.fingerprint = fingerprint_of<T>;
         send_frame(c, header, error_body.bytes());
         c.wait_all();
@@ -116,8 +117,11 @@ void send(collective<Group>& c, const T& value, same_host_state* same_host = nul
     header.fingerprint = fingerprint_of<T>;
     header.payload_bytes = plan.payload_bytes();
     header.slot_count = transferred_slot_count(plan.slots());
-    header.flags = (opts.checksum ? payload_checksums : 0) | (layout ? shared_segment : 0) | path_flags;
+    const bool relays = placed && same_host->relays();
+    header.flags = (opts.checksum ? payload_checksums : 0) | (placed ? shared_segment : 0) | (relays ? relayed : 0) |
+                   path_flags;
     send_frame(c, header, body.bytes());
+    if (relays) relay_to_hosts(c, *same_host, placed->pieces);
     send_payload(c, plan, header);
 }
 

@@ -69,9 +69,10 @@ struct shm_message {
     std::uint64_t sequence = 0;
     std::uint32_t count = 0;        // ids below
     std::uint32_t descriptors = 0;  // attached (SCM_RIGHTS), one per id, for segments
+    std::uint64_t capacity = 0;     // segments from a host leader (relayed): the segment's size
     std::uint64_t ids[max_batch_segments] = {};
 };
-static_assert(sizeof(shm_message) == 24 + 8 * max_batch_segments);
+static_assert(sizeof(shm_message) == 32 + 8 * max_batch_segments);
 
 enum class send_status { sent, would_block, failed };
 
@@ -262,17 +263,22 @@ private:
 };
 
 // A follower's private mapping of one segment; unmapped, and reported to the root, when the
-// last storage over it goes - as forked when a child forked since may still map it.
+// last storage over it goes - as forked when a child forked since may still map it. A host
+// leader's mapping of its own pool's segment (`local`) reports to that pool directly.
 struct shm_mapping {
     void* data = nullptr;
     std::size_t bytes = 0;
     std::uint64_t segment = 0;
     std::shared_ptr<follower_link> link;
+    bool local = false;
     std::uint64_t forks_at_birth = fork_generation();  // read before the segment is mapped
 
     ~shm_mapping() {
         if (data) ::munmap(data, bytes);
-        if (link) link->report(segment, fork_generation() != forks_at_birth);
+        const bool forked = fork_generation() != forks_at_birth;
+        if (link) link->report(segment, forked);
+        if (local && forked) shm_pool::instance().forget(segment);
+        if (local && !forked) shm_pool::instance().release_follower(segment);
     }
 };
 
@@ -286,15 +292,29 @@ struct root_link {
     bool alive = true;
 };
 
+// One host of a hierarchical (group, root): its leader (the root on the root's host) and the
+// ranks the leader hands its segments to. A host whose shared memory failed in the handshake
+// is split into hosts of one rank each.
+struct relay_host {
+    int leader = -1;
+    std::vector<int> members;
+};
+
 // What one rank knows about the same-host path of one (group, root).
 struct same_host_state {
     bool shared = false;       // the handshake chose the same-host path, and it has not ended
     std::string why_not;       // when not: the reasons, for transport_mode::shared_memory
-    // Root:
+    // Hierarchical (the group spans hosts): every host, the root's first, the same on every
+    // rank; empty when every rank is on the root's host. `leader`: this rank's host leader.
+    std::vector<relay_host> hosts;
+    int leader = -1;
+    // The root, and a host leader elsewhere:
     std::vector<root_link> links;
     std::string lost;          // why a link was lost since the last broadcast: the path ends
-    // Follower:
+    // A follower:
     std::shared_ptr<follower_link> link;
+
+    bool relays() const { return !hosts.empty(); }
 
     // Reads every answer waiting on the root's sockets, at every broadcast. A follower whose
     // socket closed or sent nonsense has died or lost step: its link is dropped, and the path
@@ -342,6 +362,7 @@ struct same_host_state {
         links.clear();
         if (link) link->close();
         link.reset();
+        hosts.clear();
         if (shared) why_not = why;
         shared = false;
     }
@@ -456,22 +477,27 @@ struct handshake_offer {
     char name[64] = {};         // abstract socket name
     char why_not[128] = {};
     std::uint32_t transport = 0;  // the root's options.transport
-    std::uint32_t reserved = 0;
+    std::uint32_t relays = 0;     // ranks on other hosts get the payload through their host leader
 };
 
 // A follower's answer to the offer, in a broadcast of its own.
 struct handshake_answer {
-    std::uint8_t connected = 0;
+    std::uint8_t connected = 0;  // to its host leader; a leader: it listens on `name`
     std::uint8_t transport = 0;  // this rank's options.transport
-    char why_not[126] = {};
+    std::uint8_t leads = 0;      // it leads a host other than the root's
+    std::uint8_t reserved = 0;
+    char why_not[124] = {};
+    host_identity host;
+    char name[64] = {};          // a host leader's abstract socket name
 };
-static_assert(sizeof(handshake_answer) == 128);
+static_assert(sizeof(handshake_answer) == 248);
 
 inline const char* transport_name(transport_mode m) {
     switch (m) {
         case transport_mode::automatic: return "transport_mode::automatic";
         case transport_mode::network: return "transport_mode::network";
         case transport_mode::shared_memory: return "transport_mode::shared_memory";
+        case transport_mode::hierarchical: return "transport_mode::hierarchical";
     }
     return "an unknown transport_mode";
 }
@@ -546,13 +572,11 @@ std::optional<handshake_offer> receive_offer(collective<Group>& c, at::Tensor& f
     }
 }
 
-// Root, step 1: what it offers, and the socket followers connect to.
-inline handshake_offer make_offer(const options& opts, const host_identity& me, owned_fd& listener) {
-    handshake_offer offer;
-    offer.host = me;
-    offer.transport = static_cast<std::uint32_t>(opts.transport);
+// Root, step 1 (and a host leader elsewhere): a socket in the abstract namespace that the ranks
+// of its host connect to; the reason when it cannot be had.
+inline std::string listen_for_followers(const host_identity& me, owned_fd& listener, std::string& name) {
     std::string why = me.known() ? probe_segments() : "cannot read this host's identity";
-    const std::string name = "spbcast-" + random_nonce() + "-" + std::to_string(::getpid());
+    name = "spbcast-" + random_nonce() + "-" + std::to_string(::getpid());
     if (why.empty()) {
         listener.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
         socklen_t length;
@@ -561,49 +585,95 @@ inline handshake_offer make_offer(const options& opts, const host_identity& me, 
             ::listen(listener.get(), SOMAXCONN) != 0)
             why = "cannot listen on an abstract Unix socket: " + errno_text(errno);
     }
+    if (!why.empty()) listener.reset();
+    return why;
+}
+
+// Root, step 1: what it offers, and the socket followers connect to. `relays`: it offers the
+// hierarchical transport to ranks on other hosts.
+inline handshake_offer make_offer(const options& opts, const host_identity& me, bool relays, owned_fd& listener) {
+    handshake_offer offer;
+    offer.host = me;
+    offer.transport = static_cast<std::uint32_t>(opts.transport);
+    offer.relays = relays ? 1 : 0;
+    std::string name;
+    const std::string why = listen_for_followers(me, listener, name);
     offer.root_ok = why.empty() ? 1 : 0;
     std::strncpy(offer.name, name.c_str(), sizeof offer.name - 1);
     std::strncpy(offer.why_not, why.c_str(), sizeof offer.why_not - 1);
     return offer;
 }
 
-// Follower, step 2: connects to the root's socket when it may; the answer says how it went.
-inline handshake_answer connect_to_root(const handshake_offer& offer, const options& opts, const host_identity& me,
-                                        int rank, owned_fd& sock) {
+// Connects to the socket `name` of this rank's host leader and says who it is; the reason
+// when it cannot.
+inline std::string connect_to_leader(const char* name, std::size_t name_size, const options& opts, int rank,
+                                     owned_fd& sock) {
+    sock.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    socklen_t length;
+    sockaddr_un addr = abstract_address(std::string(name, strnlen(name, name_size)), length);
+    shm_message hello;
+    hello.kind = shm_message_kind::hello;
+    hello.sequence = static_cast<std::uint64_t>(rank);
+    std::string why;
+    if (!sock || ::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), length) != 0)
+        why = "cannot connect to its host leader's socket: " + errno_text(errno);
+    else if (!send_message(sock.get(), hello, opts.timeout))
+        why = "cannot write to its host leader's socket: " + errno_text(errno);
+    if (!why.empty()) sock.reset();
+    return why;
+}
+
+inline std::string other_host_reason(const host_identity& a, const host_identity& b) {
+    return std::memcmp(a.boot_id, b.boot_id, sizeof a.boot_id) != 0 ? "another host (boot id differs)"
+           : a.uid != b.uid                                        ? "another user"
+                                                                   : "another network namespace";
+}
+
+// Follower, step 2, in group-rank order: `earlier` holds the answers of the ranks before this
+// one. A rank on the root's host connects to the root. On another host, when the root relays,
+// the lowest rank of that host leads it (it listens, and says where in its answer) and the
+// others connect to their leader.
+inline handshake_answer answer_offer(const handshake_offer& offer, const std::vector<handshake_answer>& earlier,
+                                     int root, const options& opts, const host_identity& me, int rank,
+                                     owned_fd& sock, owned_fd& listener) {
     handshake_answer answer;
     answer.transport = static_cast<std::uint8_t>(opts.transport);
+    answer.host = me;
     std::string why;
     if (!offer.root_ok || offer.transport != static_cast<std::uint32_t>(opts.transport)) {
         why = "not asked";
-    } else if (!(offer.host == me)) {
-        why = std::memcmp(offer.host.boot_id, me.boot_id, sizeof me.boot_id) != 0 ? "another host (boot id differs)"
-              : offer.host.uid != me.uid                                          ? "another user"
-                                                                                  : "another network namespace";
+    } else if (offer.host == me) {
+        why = connect_to_leader(offer.name, sizeof offer.name, opts, rank, sock);
+    } else if (!offer.relays) {
+        why = other_host_reason(offer.host, me);
     } else {
-        sock.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-        socklen_t length;
-        sockaddr_un addr = abstract_address(std::string(offer.name, strnlen(offer.name, sizeof offer.name)), length);
-        shm_message hello;
-        hello.kind = shm_message_kind::hello;
-        hello.sequence = static_cast<std::uint64_t>(rank);
-        if (!sock || ::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), length) != 0)
-            why = "cannot connect to the root's socket: " + errno_text(errno);
-        else if (!send_message(sock.get(), hello, opts.timeout))
-            why = "cannot write to the root's socket: " + errno_text(errno);
-        if (!why.empty()) sock.reset();
+        int leader = -1;
+        for (int r = 0; r < rank && leader < 0; ++r)
+            if (r != root && earlier[static_cast<std::size_t>(r)].host == me) leader = r;
+        if (leader < 0) {
+            std::string name;
+            why = listen_for_followers(me, listener, name);
+            answer.leads = why.empty() ? 1 : 0;
+            std::strncpy(answer.name, name.c_str(), sizeof answer.name - 1);
+        } else if (!earlier[static_cast<std::size_t>(leader)].leads) {
+            why = "its host leader (rank " + std::to_string(leader) + ") cannot use shared memory";
+        } else {
+            const auto& lead = earlier[static_cast<std::size_t>(leader)];
+            why = connect_to_leader(lead.name, sizeof lead.name, opts, rank, sock);
+        }
     }
-    answer.connected = sock ? 1 : 0;
+    answer.connected = why.empty() ? 1 : 0;
     std::memcpy(answer.why_not, why.data(), std::min(why.size(), sizeof answer.why_not - 1));
     return answer;
 }
 
-// Root, step 3: accepts every follower (all connected before they said so). Returns the links,
-// or none and the reason.
-inline std::vector<root_link> accept_followers(int listener, int size, int root, std::chrono::milliseconds timeout,
-                                               std::string& why) {
+// Root (or a host leader), step 3: accepts a connection from each of `members` (all
+// connected before they said so). Returns the links, or none and the reason.
+inline std::vector<root_link> accept_followers(int listener, const std::vector<int>& members,
+                                               std::chrono::milliseconds timeout, std::string& why) {
     std::vector<root_link> links;
     const auto deadline = std::chrono::steady_clock::now() + timeout;
-    for (int i = 0; i < size - 1; ++i) {
+    for (std::size_t i = 0; i < members.size(); ++i) {
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
         pollfd p{listener, POLLIN, 0};
         if (left.count() <= 0 || ::poll(&p, 1, static_cast<int>(std::min<std::int64_t>(left.count(), 10000))) != 1) {
@@ -615,14 +685,14 @@ inline std::vector<root_link> accept_followers(int listener, int size, int root,
         socklen_t len = sizeof cred;
         shm_message hello;
         std::vector<owned_fd> stray;
-        const auto is_taken = [&](int r) {
-            return std::any_of(links.begin(), links.end(), [&](const root_link& l) { return l.rank == r; });
+        const auto expected = [&](std::uint64_t r) {
+            return std::find(members.begin(), members.end(), static_cast<int>(r)) != members.end() &&
+                   std::none_of(links.begin(), links.end(), [&](const root_link& l) { return l.rank == static_cast<int>(r); });
         };
         if (!conn || ::getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.uid != ::getuid() ||
             receive_message(conn.get(), hello, stray, timeout) != receive_status::ok ||
-            hello.kind != shm_message_kind::hello || hello.sequence >= static_cast<std::uint64_t>(size) ||
-            static_cast<int>(hello.sequence) == root || is_taken(static_cast<int>(hello.sequence))) {
-            why = "a connection to the root's socket was not a follower of this group";
+            hello.kind != shm_message_kind::hello || !expected(hello.sequence)) {
+            why = "a connection to the socket was not a follower of this group";
             return {};
         }
         root_link l;
@@ -645,13 +715,47 @@ inline std::string transport_disagreement(const std::vector<transport_mode>& mod
            "; pass the same options.transport on every rank (no batch was sent; the group stays usable)";
 }
 
+// The hosts of a group that spans hosts, from the answers every rank holds: the root's host
+// first, then the others in the order of their leaders. Empty when the hierarchical transport
+// is not taken: every rank on the root's host, or (automatic) a host with a single rank.
+inline std::vector<relay_host> hosts_of(const handshake_offer& offer, const std::vector<handshake_answer>& answers,
+                                        int root, std::string& why_not) {
+    std::vector<relay_host> hosts{relay_host{root, {}}};
+    std::vector<host_identity> identities{offer.host};
+    for (int r = 0; r < static_cast<int>(answers.size()); ++r) {
+        if (r == root) continue;
+        const auto& id = answers[static_cast<std::size_t>(r)].host;
+        auto it = std::find(identities.begin(), identities.end(), id);
+        if (it == identities.end()) {
+            identities.push_back(id);
+            hosts.push_back(relay_host{r, {}});
+        } else {
+            hosts[static_cast<std::size_t>(it - identities.begin())].members.push_back(r);
+        }
+    }
+    if (hosts.size() == 1 || !offer.relays) return {};
+    if (offer.transport == static_cast<std::uint32_t>(transport_mode::automatic))
+        for (const auto& h : hosts)
+            if (h.members.empty()) {
+                why_not = "the group spans " + std::to_string(hosts.size()) + " hosts and rank " +
+                          std::to_string(h.leader) +
+                          " is alone on its host (transport_mode::automatic relays only when every host "
+                          "has two ranks or more; pass transport_mode::hierarchical to relay anyway)";
+                return {};
+            }
+    return hosts;
+}
+
 // The same-host decision of one (group, root), taken by every rank together from the same data
 // in a fixed sequence of broadcasts: the root's offer; each follower's answer (connected or why
-// not, and its options.transport); the root's confirmation once it accepted everyone. No rank
-// decides by a timeout. Returns null, with the root's first frame in `early_frame`, when the
-// root sent its frame instead of an offer (see receive_offer); nothing is decided then. A
-// follower that met the offer while it meant to take the network path passes it as `offer`.
-// Throws invalid_argument on every rank when the ranks' options.transport differ.
+// not, its options.transport and its host); then the decision - the root's confirmation once it
+// accepted everyone, or, when the group spans hosts and the root relays, each host leader's in
+// turn once it accepted its host. A host whose leader could not accept its ranks is split into
+// hosts of one rank each. No rank decides by a timeout. Returns null, with the root's first
+// frame in `early_frame`, when the root sent its frame instead of an offer (see
+// receive_offer); nothing is decided then. A follower that met the offer while it meant to
+// take the network path passes it as `offer`. Throws invalid_argument on every rank when the
+// ranks' options.transport differ.
 template <class Group>
 std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options& opts, group_state& gstate,
                                                      std::uint64_t sequence, at::Tensor& early_frame,
@@ -668,7 +772,9 @@ std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options
     if (!offer) {
         collective<Group> c(group, o, gstate, sequence);
         if (rank == root) {
-            offer = make_offer(opts, me, listener);
+            const bool relays = point_to_point_group<Group> && (opts.transport == transport_mode::automatic ||
+                                                                opts.transport == transport_mode::hierarchical);
+            offer = make_offer(opts, me, relays, listener);
             c.run(offer_frame(*offer, sequence, root), "same-host handshake: the root's offer");
         } else {
             offer = receive_offer(c, early_frame);
@@ -678,52 +784,95 @@ std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options
     if (offer->magic != shm_message_magic) offer->root_ok = 0;
 
     owned_fd sock;
-    const handshake_answer mine = rank == root ? handshake_answer{} : connect_to_root(*offer, opts, me, rank, sock);
+    std::vector<handshake_answer> answers(static_cast<std::size_t>(size));
     std::vector<transport_mode> modes(static_cast<std::size_t>(size), static_cast<transport_mode>(offer->transport));
-    std::vector<std::string> reasons;
-    if (!offer->root_ok)
-        reasons.push_back("root (rank " + std::to_string(root) + "): " +
-                          std::string(offer->why_not, strnlen(offer->why_not, sizeof offer->why_not)));
     for (int r = 0; r < size; ++r) {
         if (r == root) continue;
+        auto& answer = answers[static_cast<std::size_t>(r)];
+        if (r == rank) answer = answer_offer(*offer, answers, root, opts, me, rank, sock, listener);
         at::Tensor flag = at::zeros({static_cast<std::int64_t>(sizeof(handshake_answer))}, at::kByte);
-        if (r == rank) std::memcpy(flag.data_ptr(), &mine, sizeof mine);
+        std::memcpy(flag.data_ptr(), &answer, sizeof answer);
         o.root = r;
         collective<Group> c(group, o, gstate, sequence);
         c.run(flag, "same-host handshake: rank " + std::to_string(r) + "'s answer");
-        handshake_answer answer;
         std::memcpy(&answer, flag.data_ptr(), sizeof answer);
+        answer.why_not[sizeof answer.why_not - 1] = 0;
+        answer.name[sizeof answer.name - 1] = 0;
         modes[static_cast<std::size_t>(r)] = static_cast<transport_mode>(answer.transport);
-        if (answer.connected != 1 && offer->root_ok)
-            reasons.push_back("rank " + std::to_string(r) + ": " + std::string(answer.why_not, strnlen(answer.why_not, sizeof answer.why_not)));
     }
     // Every rank holds the same modes now: a disagreement is raised everywhere, before the
-    // confirmation, which nobody then sends.
+    // decision, which nobody then sends.
     if (const std::string disagreement = transport_disagreement(modes, root); !disagreement.empty())
         throw error(errc::invalid_argument, where() + ": " + disagreement);
 
     auto state = std::make_shared<same_host_state>();
-    at::Tensor confirm = at::zeros({1}, at::kByte);
-    if (rank == root && reasons.empty()) {
-        std::string why;
-        state->links = accept_followers(listener.get(), size, root, opts.timeout, why);
-        if (why.empty())
-            confirm.data_ptr<std::uint8_t>()[0] = 1;
-        else
-            reasons.push_back("root (rank " + std::to_string(root) + "): " + why);
+    std::vector<std::string> reasons;
+    auto reason = [&](int r, const std::string& why) {
+        reasons.push_back((r == root ? "root (rank " + std::to_string(r) + ")" : "rank " + std::to_string(r)) + ": " + why);
+    };
+    if (!offer->root_ok) reason(root, std::string(offer->why_not, strnlen(offer->why_not, sizeof offer->why_not)));
+    std::string single_rank_host;
+    auto hosts = offer->root_ok ? hosts_of(*offer, answers, root, single_rank_host) : std::vector<relay_host>{};
+    if (hosts.empty()) {
+        // One host (or none relayed): every follower must have connected to the root.
+        for (int r = 0; r < size; ++r)
+            if (r != root && offer->root_ok && answers[static_cast<std::size_t>(r)].connected != 1)
+                reason(r, answers[static_cast<std::size_t>(r)].why_not);
+        if (!single_rank_host.empty()) reasons.assign(1, single_rank_host);
+        std::vector<int> followers;
+        for (int r = 0; r < size; ++r)
+            if (r != root) followers.push_back(r);
+        hosts.push_back(relay_host{root, reasons.empty() ? followers : std::vector<int>{}});
+    }
+    const bool spans_hosts = hosts.size() > 1;
+    // Each host leader's decision in turn (on one host: the root's confirmation).
+    std::vector<relay_host> decided;
+    for (const relay_host& host : hosts) {
+        bool connected = host.leader == root ? offer->root_ok == 1 : answers[static_cast<std::size_t>(host.leader)].leads == 1;
+        if (!connected && host.leader != root) reason(host.leader, answers[static_cast<std::size_t>(host.leader)].why_not);
+        for (int m : host.members)
+            if (answers[static_cast<std::size_t>(m)].connected != 1) {
+                if (spans_hosts) reason(m, answers[static_cast<std::size_t>(m)].why_not);
+                connected = false;
+            }
+        at::Tensor confirm = at::zeros({1}, at::kByte);
+        if (rank == host.leader && connected && !host.members.empty() && (spans_hosts || reasons.empty())) {
+            std::string why;
+            auto links = accept_followers(listener.get(), host.members, opts.timeout, why);
+            if (why.empty()) {
+                confirm.data_ptr<std::uint8_t>()[0] = 1;
+                state->links = std::move(links);
+            } else {
+                reason(rank, why);
+            }
+        }
+        o.root = host.leader;
+        {
+            collective<Group> c(group, o, gstate, sequence);
+            c.run(confirm, spans_hosts ? "same-host handshake: rank " + std::to_string(host.leader) + "'s host"
+                                       : "same-host handshake: the root's decision");
+        }
+        if (confirm.data_ptr<std::uint8_t>()[0] == 1) {
+            decided.push_back(host);
+        } else {
+            // Its ranks get the payload one by one; nobody uses the links of this host.
+            if (rank == host.leader) state->links.clear();
+            decided.push_back(relay_host{host.leader, {}});
+            for (int m : host.members) decided.push_back(relay_host{m, {}});
+        }
     }
     listener.reset();  // the name disappears; nobody else can connect
-    o.root = root;
-    {
-        collective<Group> c(group, o, gstate, sequence);
-        c.run(confirm, "same-host handshake: the root's decision");
+    state->shared = std::any_of(decided.begin(), decided.end(), [](const relay_host& h) { return !h.members.empty(); });
+    for (const relay_host& host : decided) {
+        const bool here = host.leader == rank || std::find(host.members.begin(), host.members.end(), rank) != host.members.end();
+        if (here) state->leader = host.leader;
+        if (here && host.leader != rank && state->shared) state->link = std::make_shared<follower_link>(std::move(sock));
     }
-    state->shared = confirm.data_ptr<std::uint8_t>()[0] == 1;
     if (state->shared) {
-        if (rank != root) state->link = std::make_shared<follower_link>(std::move(sock));
+        if (spans_hosts) state->hosts = std::move(decided);
     } else {
         state->links.clear();
-        if (reasons.empty()) reasons.push_back("root (rank " + std::to_string(root) + "): could not accept every follower");
+        if (reasons.empty()) reason(root, "could not accept every follower");
         for (const auto& r : reasons) state->why_not += (state->why_not.empty() ? "" : "; ") + r;
     }
     return state;
