@@ -198,7 +198,7 @@ std::chrono::milliseconds to_milliseconds(double seconds) {
 
 // The options of one broadcast; the Python side has validated every value. Unset seconds keep
 // the C++ defaults (timeout 5 minutes; root_wait 0, which means timeout).
-// transport: "auto", "network" or "shared_memory" (spbcast::transport_mode).
+// transport: "auto", "network", "shared_memory" or "hierarchical" (spbcast::transport_mode).
 spbcast::options make_options(int root, std::optional<double> timeout_s, std::optional<double> root_wait_s,
                               bool checksum, const std::string& transport) {
     spbcast::options opts;
@@ -206,6 +206,7 @@ spbcast::options make_options(int root, std::optional<double> timeout_s, std::op
     opts.checksum = checksum;
     opts.transport = transport == "network"         ? spbcast::transport_mode::network
                      : transport == "shared_memory" ? spbcast::transport_mode::shared_memory
+                     : transport == "hierarchical"  ? spbcast::transport_mode::hierarchical
                                                     : spbcast::transport_mode::automatic;
     if (timeout_s) opts.timeout = to_milliseconds(*timeout_s);
     if (root_wait_s) opts.root_wait = to_milliseconds(*root_wait_s);

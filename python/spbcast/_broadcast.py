@@ -45,12 +45,13 @@ def _seconds(value, name="timeout", zero_is_unset=False):
     return float(seconds)
 
 
-_TRANSPORTS = ("auto", "network", "shared_memory")
+_TRANSPORTS = ("auto", "network", "shared_memory", "hierarchical")
 
 
 def _check_transport(transport):
     if transport not in _TRANSPORTS:
-        raise ValueError(f"spbcast: transport must be 'auto', 'network' or 'shared_memory', not {transport!r}")
+        raise ValueError(f"spbcast: transport must be 'auto', 'network', 'shared_memory' or 'hierarchical', "
+                         f"not {transport!r}")
 
 
 def _keep_alive(group, src, *, timeout=None, transport="auto"):
@@ -89,8 +90,9 @@ def broadcast(obj, group=None, src=0, *, timeout=None, root_wait=None, checksum=
     value (a big batch, a checkpoint saved on the leader) is not a transport failure: raise
     this, not ``timeout`` (C++ ``options.root_wait``).
     checksum: verify the payload with a checksum per transfer slot.
-    transport: "auto" (shared memory where the whole group shares a host, else the network),
-    "network" or "shared_memory" (README: "The same-host path").
+    transport: "auto" (shared memory where the whole group shares a host, the hierarchical path
+    where it spans hosts with two ranks or more on each, else the network), "network",
+    "shared_memory" or "hierarchical" (README: "The same-host path", "Groups that span hosts").
 
     Raises spbcast.Error (``.code`` says why) on every rank when the value cannot be sent
     (followers raise spbcast.RemoteError with the root's message); the group stays usable. A

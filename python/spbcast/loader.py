@@ -124,7 +124,8 @@ class LeaderLoader:
         failure: meanwhile it sends keep-alive frames every timeout / 4, and the followers wait
         for it as a BASE rank waits for its own loader.
     transport: how batches travel, as in ``spbcast.broadcast``: "auto" (the same-host path where
-        the SP group shares a host), "network" or "shared_memory".
+        the SP group shares a host, the hierarchical path where it spans hosts), "network",
+        "shared_memory" or "hierarchical".
     leader_allocates_in_shared_memory: on the same-host path the leader fetches each batch inside
         ``spbcast.shared_memory()``, so the batch's large tensors are born in shared memory and
         the broadcast copies nothing. Off (or with transport "network", or where the group took
