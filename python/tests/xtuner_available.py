@@ -1,0 +1,27 @@
+"""Whether XTuner v1's data pipeline can be imported here, found without importing it (importing
+XTuner takes seconds): the test modules skip, saying why, when it cannot."""
+
+import importlib.util
+import os
+
+# Modules the pipeline needs besides XTuner itself (README: "Using spbcast with XTuner v1").
+_NEEDED = ("mmengine", "transformers", "tokenizers", "datasets", "cyclopts", "xxhash", "addict",
+           "termcolor", "yaml", "rich", "loguru", "pydantic", "PIL", "numpy")
+
+
+
+def unavailable():
+    """Why XTuner v1's data pipeline cannot be imported here, or None. Imports nothing heavy."""
+    spec = importlib.util.find_spec("xtuner")
+    if spec is None or not spec.submodule_search_locations:
+        return "xtuner is not installed"
+    root = list(spec.submodule_search_locations)[0]
+    if not os.path.isfile(os.path.join(root, "v1", "datasets", "dataloader.py")):
+        return (f"the installed xtuner ({root}) has no xtuner/v1 (the PyPI xtuner 0.2.0 is the older "
+                "code; XTuner v1 is built from its GitHub main)")
+    missing = [m for m in _NEEDED if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"XTuner v1's data pipeline needs {', '.join(missing)}, not installed"
+    return None
+
+
