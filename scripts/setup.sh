@@ -2,7 +2,9 @@
 # Installs everything spbcast needs on a fresh Debian 12 machine, by package name:
 # the tool chain, Boost >= 1.81 (PFR, Hana), doctest, the distribution's LibTorch with Gloo,
 # libjpeg-turbo (the demo), and the PyTorch 2.13.0 CPU wheel in a virtual environment (the
-# second LibTorch generation, and the Python peers of the benchmarks).
+# second LibTorch generation, and the Python peers of the benchmarks), with torchdata and - where
+# ../shared/wheels/xtuner-*.whl or $SPBCAST_XTUNER_WHEEL provides it - XTuner v1 for the Python
+# tests.
 # Idempotent: a second run checks and returns in seconds.
 #   ./scripts/setup.sh                       everything
 #   ./scripts/setup.sh --no-python-package   all but the Python package (.ci/run: test.sh builds
@@ -58,6 +60,43 @@ if [ -z "$(version_of numpy)" ] || [ -z "$(version_of matplotlib)" ] || [ -z "$(
     "$VENV/bin/pip" install -q numpy matplotlib "tensordict==0.15.3"
 fi
 echo "setup: PyTorch wheel $torch_version in $VENV"
+# Never let a package below install or upgrade torch: every pip call is constrained to the
+# torch already there.
+constraint="$VENV/.spbcast-torch-constraint.txt"
+echo "torch==$torch_version" > "$constraint"
+# torchdata's StatefulDataLoader, for the loader tests (pure Python).
+if [ -z "$(version_of torchdata)" ]; then
+    echo "setup: installing torchdata into $VENV"
+    "$VENV/bin/pip" install -q -c "$constraint" torchdata
+fi
+# XTuner v1 for the integration tests (python/tests/test_xtuner.py), from a wheel: the one
+# SPBCAST_XTUNER_WHEEL names, or ../shared/wheels/xtuner-*.whl beside the repository (built from
+# XTuner's GitHub main; PyPI's xtuner is the older code without xtuner/v1). The wheel and
+# mmengine without their dependencies (they would pull GPU kernels, OpenCV and matplotlib),
+# then the pure-Python ones its data pipeline needs on a CPU machine (../shared/wheels/README.md).
+xtuner_wheel="${SPBCAST_XTUNER_WHEEL:-}"
+if [ -z "$xtuner_wheel" ]; then
+    for w in "$(dirname "$0")"/../../shared/wheels/xtuner-*.whl; do
+        [ -f "$w" ] && xtuner_wheel="$w"
+    done
+fi
+if [ -n "$xtuner_wheel" ]; then
+    [ -f "$xtuner_wheel" ] || { echo "setup: SPBCAST_XTUNER_WHEEL=$xtuner_wheel is not a file"; exit 1; }
+    xtuner_stamp="$VENV/.spbcast-xtuner-wheel"
+    xtuner_sum="$(sha256sum "$xtuner_wheel" | cut -d' ' -f1)"
+    xtuner_deps=(addict termcolor pyyaml rich loguru "transformers==5.14.1" "datasets<4"
+                 "fsspec<=2025.3.0" xxhash pillow cyclopts)
+    if [ -f "$xtuner_stamp" ] && [ "$(cat "$xtuner_stamp")" = "$xtuner_sum" ] \
+        && [ -n "$(version_of mmengine)" ] && [ -n "$(version_of transformers)" ] \
+        && [ -n "$(version_of datasets)" ] && [ -n "$(version_of cyclopts)" ]; then
+        echo "setup: XTuner v1 ($(basename "$xtuner_wheel")) present in $VENV"
+    else
+        echo "setup: installing XTuner v1 from $xtuner_wheel and its data pipeline's dependencies into $VENV"
+        "$VENV/bin/pip" install -q --no-deps "$xtuner_wheel" "mmengine==0.11.0rc2"
+        "$VENV/bin/pip" install -q -c "$constraint" "${xtuner_deps[@]}"
+        echo "$xtuner_sum" > "$xtuner_stamp"
+    fi
+fi
 # The Python package (python/) and pytest for its tests, into the same environment.
 [ "$python_package" = no ] || SPBCAST_VENV="$VENV" "$(dirname "$0")/python_package.sh"
 echo "setup: done"
