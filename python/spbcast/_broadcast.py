@@ -1,10 +1,11 @@
 import datetime
+import re
 
 import torch
 import torch.distributed as dist
 
 from . import _C, _wire
-from .errors import Error
+from .errors import Error, RemoteError
 
 
 def _group_and_root(group, src):
@@ -28,6 +29,35 @@ def _group_and_root(group, src):
                     f"global ranks: {ranks}); src is a global rank, as in torch.distributed",
                     "invalid_argument")
     return pg, rank, dist.get_group_rank(pg, src)
+
+
+_RANK_IN_MESSAGE = re.compile(r"\b(rank|root) (\d+)\b")
+
+
+def _in_global_ranks(error, pg):
+    """The core names the ranks of the group it is given (its group ranks: "spbcast: rank 1:
+    broadcast #1 from root 0"); from Python every rank is named by its global rank, as src= is.
+    The same exception with the group's global ranks in its message (and, for RemoteError, in
+    root_rank and root_message); unchanged on a group whose ranks are 0..n-1."""
+    ranks = dist.get_process_group_ranks(pg)
+    if ranks == list(range(len(ranks))):
+        return error
+    sub = lambda text: _RANK_IN_MESSAGE.sub(  # noqa: E731
+        lambda m: f"{m[1]} {ranks[int(m[2])]}" if int(m[2]) < len(ranks) else m[0], text)
+    cls, args = error.__reduce__()[:2]
+    args = [sub(args[0])] + list(args[1:])
+    if isinstance(error, RemoteError):
+        if 0 <= args[2] < len(ranks):
+            args[2] = ranks[args[2]]
+        args[3] = sub(args[3])
+    return cls(*args)
+
+
+def _core_broadcast(pg, *args):
+    try:
+        return _C.broadcast(pg, *args)
+    except Error as e:
+        raise _in_global_ranks(e, pg).with_traceback(e.__traceback__) from None
 
 
 def _seconds(value, name="timeout", zero_is_unset=False):
@@ -114,12 +144,12 @@ def broadcast(obj, group=None, src=0, *, timeout=None, root_wait=None, checksum=
             error = e if isinstance(e, Error) else Error(
                 f"spbcast: rank {me}: cannot send {_name}: reading it raised "
                 f"{type(e).__name__}: {e}", "unsupported_value")
-            _C.broadcast(pg, name, _C.to_wire(_wire.error_envelope(error)), root, seconds,
+            _core_broadcast(pg, name, _C.to_wire(_wire.error_envelope(error)), root, seconds,
                          checksum, _use_registry, transport, wait)
             if error is e:
                 raise
             raise error from e
-        _C.broadcast(pg, name, wire, root, seconds, checksum, _use_registry, transport, wait)
+        _core_broadcast(pg, name, wire, root, seconds, checksum, _use_registry, transport, wait)
         return obj
-    envelope = _C.broadcast(pg, name, None, root, seconds, checksum, _use_registry, transport, wait)
+    envelope = _core_broadcast(pg, name, None, root, seconds, checksum, _use_registry, transport, wait)
     return _wire.decode(envelope, dist.get_rank(), src, _name)

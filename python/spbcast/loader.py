@@ -204,6 +204,7 @@ class LeaderLoader:
         self._epoch_value = None  # the last value given to the loader's set_epoch
         self._skip = 0  # batches to drop when resuming mid-epoch without loader state
         self._resumed = False  # load_state_dict ran and no batch was fetched since
+        self._end_of_epoch_pending = False  # resumed at an epoch's end through the loader's state
         self._finished = False
         self._iter = None
         # The dedup leader's calls into its loader made outside a step, run at its next fetch,
@@ -217,6 +218,7 @@ class LeaderLoader:
             raise Error(where + "sp_media_dedup needs torch.distributed to be initialized",
                         "invalid_argument")
         self.group = sp_group if sp_group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+        self.rank = rank  # global, as every spbcast message names ranks
         self.sp_rank = dist.get_rank(self.group) if self.group is not None else 0
         sp_size = dist.get_world_size(self.group) if self.group is not None else 1
         self.dedup = bool(sp_media_dedup) and sp_size > 1
@@ -252,8 +254,8 @@ class LeaderLoader:
         init = broadcast(init, self.group, self._leader, timeout=timeout, transport=transport,
                          _name="loader_init")
         if init["error"] is not None:
-            raise Error(self._where() + ": the SP leader failed building the data loader: "
-                        + init["error"], "loader")
+            raise Error(self._where() + f": the SP leader (rank {self._leader}) failed building "
+                        "the data loader: " + init["error"], "loader")
         if not self.is_leader:
             self._replay(init["words"])
         self.length = init["length"]
@@ -341,6 +343,7 @@ class LeaderLoader:
         self._iter = None
         self._finished = False
         self._resumed = True
+        self._end_of_epoch_pending = False
         self._skip = 0
         load = self._load_hook()
         own_state = state["loader"] is not None and load is not None
@@ -359,8 +362,11 @@ class LeaderLoader:
         self._leader_work("load_state_dict", restore)
         if not self.per_pass and self.length > 0 and self._in_epoch >= self.length:
             # Saved right after an epoch's last batch: the continuous run ends that pass at its
-            # next fetch, so the resumed run starts the next epoch.
+            # next fetch, so the resumed run starts the next epoch. A loader whose own state
+            # knows that its epoch was consumed (torchdata's StatefulDataLoader) gives one empty
+            # iterator first, the end of that epoch: it is not a pass of its own.
             self._leader_work("starting the next epoch", self._end_pass)
+            self._end_of_epoch_pending = own_state
         elif not own_state:
             self._skip = self._in_epoch
 
@@ -395,8 +401,8 @@ class LeaderLoader:
         if self.is_leader:
             received = envelope
         if received["error"] is not None:
-            raise Error(self._where() + f": the SP leader failed fetching step "
-                        f"{received['step'] + 1}: {received['error']}", "loader")
+            raise Error(self._where() + f": the SP leader (rank {self._leader}) failed fetching "
+                        f"step {received['step'] + 1}: {received['error']}", "loader")
         if not self.is_leader:
             self._replay(received["words"])
             self.epoch, self.step = received["epoch"], received["step"]
@@ -429,6 +435,11 @@ class LeaderLoader:
             if self._iter is None:
                 self._iter = self._call(iter, self.loader, words, "creating the loader's iterator")
             batch = self._call(next, self._iter, words, "fetching a batch", _END)
+            if self._end_of_epoch_pending:
+                self._end_of_epoch_pending = False
+                if batch is _END:  # the restored epoch's end (see load_state_dict)
+                    self._iter = None
+                    continue
             if batch is not _END and self._skip > 0:
                 self._skip -= 1
                 continue
@@ -473,11 +484,10 @@ class LeaderLoader:
                         "move it into DataLoader workers", "loader")
         return n
 
-    @staticmethod
-    def _replay(words):
+    def _replay(self, words):
         if type(words) is not int or not 0 <= words <= 1 << 40:
-            raise Error(f"spbcast: the SP leader sent an invalid generator advance {words!r}",
-                        "corrupt_frame")
+            raise Error(self._where() + f": the SP leader (rank {self._leader}) sent an invalid "
+                        f"generator advance {words!r}", "corrupt_frame")
         _advance(None, words)
 
     # ---- epochs and work outside the steps ----------------------------------------------------
@@ -567,4 +577,6 @@ class LeaderLoader:
             return -1
 
     def _where(self):
-        return f"spbcast: SP rank {self.sp_rank} (LeaderLoader)"
+        # Global ranks, as the rest of spbcast names them (and torch.distributed's src=); the
+        # position in the SP group after it.
+        return f"spbcast: rank {self.rank} (LeaderLoader, SP rank {self.sp_rank})"

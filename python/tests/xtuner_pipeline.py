@@ -58,7 +58,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize  # noqa: E402
 from xtuner.v1.data_proto.sequence_context import DSATopKCacheState, SequenceContext  # noqa: E402
 
 import spbcast  # noqa: E402
@@ -121,24 +121,26 @@ class TinyQwen3VLTokenizeFunction(XT.utils.CachableTokenizeFunction):
     def __init__(self, tokenizer, noise=True):
         super().__init__(tokenizer)
         self.noise = noise
+        self.pixels = (32 * 32, 96 * 96)
         self.processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
-                                                  min_pixels=32 * 32, max_pixels=96 * 96)
+                                                  min_pixels=self.pixels[0], max_pixels=self.pixels[1])
         ids = tokenizer.convert_tokens_to_ids
         self.start_id, self.end_id, self.image_id = (ids(t) for t in SPECIAL[4:])
 
     def __call__(self, item, **kwargs):
         h, w, seed = item["image"]
+        text = self.tokenizer.encode(item["text"], add_special_tokens=False)
+        if self.state == "cache":  # the lengths only, as XTuner's smart_get_thw
+            rh, rw = smart_resize(h, w, factor=32, min_pixels=self.pixels[0], max_pixels=self.pixels[1])
+            n_img = (rh // 32) * (rw // 32)
+            return {"num_tokens": n_img + len(text) + 3, "num_img_tokens": [n_img]}
         image = np.random.default_rng(seed).integers(0, 256, size=(h, w, 3), dtype=np.uint8)
         processed = self.processor(images=[image], return_tensors="pt")
         pixel_values, thw = processed["pixel_values"], processed["image_grid_thw"]
         n_img = int(thw.prod()) // 4
-        text = self.tokenizer.encode(item["text"], add_special_tokens=False)
         input_ids = [self.start_id] + [self.image_id] * n_img + [self.end_id] + text + [
             self.tokenizer.eos_token_id]
         labels = [-100] * (n_img + 2) + text + [self.tokenizer.eos_token_id]
-        if self.state == "cache":
-            return {"num_tokens": len(input_ids), "num_img_tokens": [n_img],
-                    "proxy_attn_flops": float(len(input_ids))}
         if self.noise:
             pixel_values = pixel_values + 0.01 * torch.rand(pixel_values.shape)
         position_ids = XT.mllm_tokenize_fn_qwenvl_rope2d.get_rope_index_3(
