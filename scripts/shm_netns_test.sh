@@ -50,4 +50,50 @@ run 4 2 0 auto hosts || fail "transport automatic over two namespaces of two ran
 run 4 2 3 auto hosts || fail "transport automatic over two namespaces, the root not its side's lowest rank"
 # A rank alone on its side: hierarchical relays to it all the same (into its own memory).
 run 3 2 1 hier hosts || fail "transport hierarchical with a follower alone in another network namespace"
+# Faults on the hierarchical path, 2 ranks on each side: the root, the other side's host leader
+# or a follower behind it is SIGKILLed, or the link is cut, while batches flow; every survivor
+# must raise a spbcast error (exit 3: no descriptor of ours left open) well within the bound.
+faults() {  # <victim rank or "link"> <what>
+    local status=0 start victim=$1
+    [ "$1" = link ] && victim=-1  # nobody is killed
+    PORT=$((PORT + 1))
+    PIDS=()
+    start=$(date +%s)
+    for rank in 0 1 2 3; do
+        local ns=$NS_A dev=$VETH_A
+        if [ $rank -ge 2 ]; then ns=$NS_B; dev=$VETH_B; fi
+        ip netns exec "$ns" env MASTER_ADDR=$ADDR_A MASTER_PORT=$PORT RANK=$rank WORLD_SIZE=4 LOCAL_RANK=$rank \
+            GLOO_SOCKET_IFNAME=$dev SPBCAST_TEST_KILL_RANK="$victim" SPBCAST_TEST_KILL_AFTER_MS=2500 timeout 60 \
+            "$WORKER" kill_loop 7 > "$WORK/rank$rank.log" 2>&1 &
+        PIDS+=($!)
+    done
+    if [ "$1" = link ]; then  # once every rank broadcasts
+        for _ in $(seq 300); do
+            [ "$(cat "$WORK"/rank[0-3].log 2> /dev/null | grep -c running)" = 4 ] && break
+            sleep 0.1
+        done
+        sleep 0.5
+        ip -n "$NS_B" link set "$VETH_B" down
+    fi
+    for rank in 0 1 2 3; do
+        local code=0
+        wait "${PIDS[$rank]}" || code=$?
+        if [ "$rank" = "$1" ]; then
+            [ $code = 137 ] || { status=1; echo "shm_netns_test: the victim, rank $rank, ended with $code"; }
+        elif [ $code != 3 ]; then
+            status=1
+            echo "shm_netns_test: rank $rank did not raise a clean spbcast error ($2, exit $code):"
+        fi
+        sed "s/^/  rank $rank: /" "$WORK/rank$rank.log"
+    done
+    [ "$1" = link ] && ip -n "$NS_B" link set "$VETH_B" up
+    local took=$(($(date +%s) - start))
+    echo "shm_netns_test: $2: every survivor raised within ${took} s"
+    [ $took -le 40 ] || { status=1; echo "shm_netns_test: $2 took ${took} s"; }
+    return $status
+}
+faults 0 "the root killed" || fail "the root killed on the hierarchical path"
+faults 2 "the other side's host leader killed" || fail "a host leader killed on the hierarchical path"
+faults 3 "a follower behind the host leader killed" || fail "a follower behind a host leader killed"
+faults link "the link cut" || fail "the link cut on the hierarchical path"
 echo "shm_netns_test: PASSED"

@@ -41,6 +41,11 @@
 //   spbcast_shm_worker lost_link
 //       a follower's link is lost, and a follower skips a same-host broadcast (a network call):
 //       stale messages are skipped, the lost link moves every rank to the network, intact.
+//   spbcast_shm_worker hosts_bench <profile> <micro_batches> <root> <repeats>
+//       for bench/hosts_bench.sh (ranks in network namespaces): one raw Gloo broadcast of the
+//       payload's bytes, the network path and automatic (hierarchical over hosts), side by side:
+//       median time, bytes over the links (the namespaces' veth counters; HOST_COUNTER=1 on one
+//       rank per namespace) and group memory while a batch is alive, per batch over the payload.
 //   spbcast_shm_worker ranks <world> <mode> <arguments...>
 //       starts <world> ranks of this program in <mode> on a store of their own (the test kit's
 //       launcher, for bench/report.py), prints rank 0's output, fails if a rank failed.
@@ -59,6 +64,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -432,7 +438,9 @@ int kill_loop(char** argv) {
         const auto fds = count_fds();
         std::cout << "rank " << env.rank << " raised " << spbcast::to_string(e.code()) << " after " << s
                   << " s; fds " << fds.total << " (baseline " << baseline.total << "), memfds " << fds.memfds
-                  << ", sockets " << fds.sockets << " (baseline " << baseline.sockets << "): " << e.what()
+                  << ", sockets " << fds.sockets << " (baseline " << baseline.sockets << "), pool segments "
+                  << spbcast::shared_memory_statistics().segments << " (held "
+                  << spbcast::shared_memory_statistics().held_bytes << " B): " << e.what()
                   << "\n";
         if (fds.memfds != 0 || fds.sockets > baseline.sockets) {
             std::cerr << "rank " << env.rank << ": descriptors of ours left open\n";
@@ -898,6 +906,99 @@ int lost_link(char**) {
     return 0;
 }
 
+// This namespace's bytes sent over its link (the interface Gloo uses), on the rank that counts
+// for its namespace; 0 elsewhere.
+std::int64_t link_bytes_sent() {
+    const char* counts = std::getenv("HOST_COUNTER");
+    const char* dev = std::getenv("GLOO_SOCKET_IFNAME");
+    if (!counts || std::string(counts) != "1" || !dev) return 0;
+    std::ifstream in(std::string("/sys/class/net/") + dev + "/statistics/tx_bytes");
+    std::int64_t bytes = 0;
+    in >> bytes;
+    return bytes;
+}
+
+int hosts_bench(char** argv) {
+    const auto profile = xtuner::profile_from_name(argv[2]);
+    const int micro_batches = std::stoi(argv[3]), root = std::stoi(argv[4]), repeats = std::stoi(argv[5]);
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(60));
+    const auto payload_of = [](xtuner::Batch& b) {
+        std::int64_t bytes = 0;
+        for (auto& t : tensors_of(b)) bytes += static_cast<std::int64_t>(t.storage().nbytes());
+        return bytes;
+    };
+    xtuner::Batch probe = env.rank == root ? xtuner::make_batch(profile, micro_batches, 1) : xtuner::Batch{};
+    spbcast::options opts{.root = root, .timeout = std::chrono::seconds(120), .transport = spbcast::transport_mode::network};
+    spbcast::broadcast(probe, group, opts);
+    const std::int64_t payload = payload_of(probe);
+    const auto want = spbcast::digest(probe);
+    probe = {};
+    struct method {
+        const char* name;
+        spbcast::transport_mode transport;
+        bool raw, leader_allocates;
+    };
+    const method methods[] = {{"raw gloo broadcast", spbcast::transport_mode::network, true, false},
+                              {"spbcast network path", spbcast::transport_mode::network, false, false},
+                              {"spbcast automatic", spbcast::transport_mode::automatic, false, false},
+                              {"spbcast automatic, leader allocates", spbcast::transport_mode::automatic, false, true}};
+    double raw_ms = 0;
+    for (const method& m : methods) {
+        opts.transport = m.transport;
+        if (!m.raw) {  // the handshake outside the measurement
+            std::vector<at::Tensor> nothing;
+            spbcast::broadcast(nothing, group, opts);
+        }
+        std::vector<double> times;
+        std::int64_t link = 0;
+        long memory_kib = 0;
+        for (int i = 0; i < repeats; ++i) {
+            barrier(group);
+            const long shmem_before = kib_of("/proc/meminfo", "Shmem:");
+            const long pss_before = pss_anon_kib();
+            xtuner::Batch batch;
+            if (env.rank == root) {
+                std::optional<spbcast::shared_memory_scope> in_shared_memory;
+                if (m.leader_allocates) in_shared_memory.emplace();
+                batch = xtuner::make_batch(profile, micro_batches, 1);
+            }
+            barrier(group);
+            const std::int64_t sent_before = link_bytes_sent();
+            const auto start = std::chrono::steady_clock::now();
+            if (m.raw) {
+                std::vector<at::Tensor> tensors{at::empty({payload}, at::kByte)};
+                c10d::BroadcastOptions bo;
+                bo.rootRank = root;
+                group->broadcast(tensors, bo)->wait();
+            } else {
+                spbcast::broadcast(batch, group, opts);
+            }
+            barrier(group);
+            times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+            const std::int64_t sent = link_bytes_sent() - sent_before;  // before any other message
+            if (!m.raw && spbcast::digest(batch) != want) throw std::runtime_error("a batch differs from the root's");
+            barrier(group);
+            const long pss = pss_anon_kib() - pss_before;
+            const long shmem = kib_of("/proc/meminfo", "Shmem:") - shmem_before;
+            link += sum_over_ranks(group, sent);
+            const std::int64_t pss_sum = sum_over_ranks(group, pss);
+            memory_kib += static_cast<long>(pss_sum + (env.rank == root ? shmem : 0));
+        }
+        memory_kib = static_cast<long>(sum_over_ranks(group, env.rank == root ? memory_kib : 0));
+        std::sort(times.begin(), times.end());
+        const double median = times[times.size() / 2];
+        if (m.raw) raw_ms = median;
+        if (env.rank == 0)
+            std::cout << "hosts_bench | " << m.name << " | " << median << " ms | " << median / raw_ms << "x raw | link "
+                      << static_cast<double>(link) / repeats / static_cast<double>(payload) << "x payload | memory "
+                      << (m.raw ? std::string("-") : std::to_string(static_cast<double>(memory_kib) * 1024 / repeats /
+                                                                     static_cast<double>(payload)) + "x payload")
+                      << " | payload " << payload / 1048576.0 << " MiB\n";
+    }
+    barrier(group);
+    return 0;
+}
+
 // The launcher stops its ranks at this deadline (report.py waits a minute longer).
 int launch_ranks(int argc, char** argv) {
     const int world = std::stoi(argv[2]);
@@ -929,6 +1030,7 @@ int main(int argc, char** argv) {
         if (mode == "fallback") return fallback(argv);
         if (mode == "cgroup_fallback") return cgroup_fallback(argv);
         if (mode == "group_memory") return group_memory(argv);
+        if (mode == "hosts_bench" && argc == 6) return hosts_bench(argv);
         if (mode == "ranks" && argc >= 4) return launch_ranks(argc, argv);
         if (mode == "leader_allocates" && argc == 5) return leader_allocates(argv);
         if (mode == "fork_child" && argc == 3) return fork_child(argv);

@@ -1,6 +1,7 @@
 // The same-host path (include/spbcast/detail/shm_*.hpp, same_host.hpp): real processes over a
 // real Gloo group on 127.0.0.1 (tests/shm_worker.cpp), real SIGKILLs, real descriptors; and
 // the follower's checks of a segment it is handed, over a real socket.
+#include "support/counting_group.hpp"
 #include "support/fixtures.hpp"
 #include "support/processes.hpp"
 #include "support/ranks.hpp"
@@ -180,6 +181,30 @@ TEST_CASE("shared memory: ranks as threads - checksums, a root error after the s
         std::vector<at::Tensor> next = rank == 1 ? batch(5) : std::vector<at::Tensor>{};
         spbcast::broadcast(next, group, {.root = 1});
         CHECK(spbcast::digest(next) == spbcast::digest(batch(5)));
+    });
+}
+
+TEST_CASE("hierarchical: on one host it is the same-host path; a transport without send/recv is refused on every rank") {
+    // Across hosts: scripts/shm_netns_test.sh (network namespaces), bench/hosts_bench.sh.
+    spbcast_test::run_ranks(3, [&](int rank, auto& group) {
+        const spbcast::options opts{.transport = spbcast::transport_mode::hierarchical};
+        std::vector<at::Tensor> b = rank == 0 ? std::vector<at::Tensor>{at::arange(1 << 20, at::kFloat)}
+                                              : std::vector<at::Tensor>{};
+        spbcast::broadcast(b, group, opts);
+        CHECK(spbcast::digest(b) == spbcast::digest(std::vector<at::Tensor>{at::arange(1 << 20, at::kFloat)}));
+        auto state = spbcast::detail::same_host_registry::instance().find(&spbcast::detail::group_of(group), 0);
+        REQUIRE(state);
+        CHECK(state->shared);
+        CHECK_FALSE(state->relays());
+        spbcast_test::counting_group own{group};  // broadcast only: no send/recv
+        try {
+            spbcast::broadcast(b, own, opts);
+            FAIL("hierarchical was taken without send/recv");
+        } catch (const spbcast::error& e) {
+            CHECK(e.code() == spbcast::errc::invalid_argument);
+            CHECK(std::string(e.what()).find("send and recv") != std::string::npos);
+        }
+        CHECK(own.collectives == 0);
     });
 }
 

@@ -142,8 +142,9 @@ inline segment_layout fill_segments(const send_plan& plan, const segment_plan& w
     const auto& slots = plan.slots();
     auto& pool = shm_pool::instance();
     segment_layout layout;
-    auto bytes_of = [](void* data, std::uint64_t used) {
-        return at::from_blob(data, {static_cast<std::int64_t>(used)}, at::kByte);
+    // A kept segment's bytes keep the root's storage alive (a failed relay quarantines them).
+    auto bytes_of = [](void* data, std::uint64_t used, c10::Storage owner = {}) {
+        return at::from_blob(data, {static_cast<std::int64_t>(used)}, [owner](void*) {}, at::kByte);
     };
     if (where.copies) {
         layout.segments.push_back({lease.id, lease.capacity, where.copied_bytes});
@@ -161,7 +162,7 @@ inline segment_layout fill_segments(const send_plan& plan, const segment_plan& w
         layout.places.push_back({static_cast<std::uint32_t>(layout.segments.size()), offset});
         layout.segments.push_back({kept->segment, kept->capacity, offset + slots[i].bytes});
         fds.push_back(kept->fd);
-        pieces.push_back(bytes_of(kept->data, offset + slots[i].bytes));
+        pieces.push_back(bytes_of(kept->data, offset + slots[i].bytes, plan.in_place_source(i).storage));
         pool.hold(kept->segment, holders);
         pool.count_tensor(true);
     }
@@ -193,14 +194,18 @@ inline bool hand_over(same_host_state& state, const segment_layout& layout, cons
     for (const auto& s : layout.segments) m.ids[m.count++] = s.id;
     m.descriptors = m.count;
     if (!layout.segments.empty()) m.capacity = layout.segments.front().capacity;
+    // Failed links are dropped after every follower was served: dropping one forgets the
+    // segments, which closes the descriptors being sent.
+    std::vector<std::pair<root_link*, send_status>> failed;
     for (auto& l : state.links) {
         if (!l.alive) continue;
         for (const auto& s : layout.segments) l.held.insert(s.id);  // forgotten with the link if it fails
         const auto status = send_message(l.sock.get(), m, fds, timeout);
-        if (status != send_status::sent)
-            state.drop_link(l, status == send_status::would_block ? "its socket stayed full for options.timeout"
-                                                                  : "its socket closed");
+        if (status != send_status::sent) failed.emplace_back(&l, status);
     }
+    for (auto [l, status] : failed)
+        state.drop_link(*l, status == send_status::would_block ? "its socket stayed full for options.timeout"
+                                                               : "its socket closed");
     return state.lost.empty();
 }
 
@@ -460,9 +465,10 @@ std::vector<at::Tensor> relay_in(collective<Group>& c, same_host_state& state, c
     shm_pool::lease lease;
     at::Tensor memory;  // where the relayed bytes land; undefined: drained
     std::string why;
-    if (!state.links.empty()) {
+    const int followers = state.alive_links();
+    if (followers > 0) {
         pool.next_batch();
-        lease = pool.acquire_for_batch(total, static_cast<int>(state.links.size()) + 1, why);
+        lease = pool.acquire_for_batch(total, followers + 1, why);
         if (lease) memory = at::from_blob(lease.data, {static_cast<std::int64_t>(total)}, at::kByte);
     } else if (total <= c.opts().limits.max_payload_bytes) {
         try {
@@ -473,6 +479,14 @@ std::vector<at::Tensor> relay_in(collective<Group>& c, same_host_state& state, c
     } else {
         why = "the batch exceeds limits.max_payload_bytes";
     }
+    // Until the relay is in, a failure leaves the segment to the backend (shm_pool::abandon).
+    struct abandon_on_failure {
+        const shm_pool::lease& lease;
+        bool armed = true;
+        ~abandon_on_failure() {
+            if (armed && lease) shm_pool::instance().abandon(lease.id);
+        }
+    } guard{lease};
     at::Tensor scratch;
     if (!memory.defined()) {
         try {
@@ -494,7 +508,23 @@ std::vector<at::Tensor> relay_in(collective<Group>& c, same_host_state& state, c
         }
     }
     c.wait_all();
-    if (!state.links.empty()) {
+    guard.armed = false;
+    // Its own mapping first: handing over may forget the segment (a follower that is gone),
+    // which closes the pool's descriptor.
+    std::shared_ptr<shm_mapping> mapping;
+    if (lease) {
+        mapping = std::make_shared<shm_mapping>();
+        mapping->local = true;
+        mapping->segment = lease.id;
+        const auto bytes = static_cast<std::size_t>((total + segment_page - 1) / segment_page * segment_page);
+        mapping->data = map_private(lease.fd, bytes);
+        mapping->bytes = mapping->data ? bytes : 0;
+        if (bytes != 0 && !mapping->data)
+            failure = std::make_exception_ptr(error(
+                errc::limit_exceeded, c.where() + ": this host leader cannot map its segment of the relayed batch (" +
+                                          errno_text(errno) + "); this batch is lost on this rank, the group stays usable"));
+    }
+    if (followers > 0) {
         if (lease) {
             local.segments[0].id = lease.id;
             local.segments[0].capacity = lease.capacity;
@@ -517,22 +547,12 @@ std::vector<at::Tensor> relay_in(collective<Group>& c, same_host_state& state, c
                                       "); this batch is lost on this host, the group stays usable"));
         return {};
     }
+    if (failure) return {};
     if (!lease) {
         std::vector<at::Tensor> out(slots.size());
         for (std::size_t i = 0, k = 0; i < slots.size(); ++i)
             if (!slots[i].in_frame) out[i] = storage_within(memory, local.places[k++].offset, slots[i].bytes);
         return out;
-    }
-    auto mapping = std::make_shared<shm_mapping>();
-    mapping->local = true;
-    mapping->segment = lease.id;
-    mapping->bytes = static_cast<std::size_t>((total + segment_page - 1) / segment_page * segment_page);
-    mapping->data = map_private(lease.fd, mapping->bytes);
-    if (mapping->bytes != 0 && !mapping->data) {
-        failure = std::make_exception_ptr(error(
-            errc::limit_exceeded, c.where() + ": this host leader cannot map its segment of the relayed batch (" +
-                                      errno_text(errno) + "); this batch is lost on this rank, the group stays usable"));
-        return {};
     }
     return slots_over({mapping}, local, slots);
 }

@@ -121,7 +121,15 @@ void send(collective<Group>& c, const T& value, same_host_state* same_host = nul
     header.flags = (opts.checksum ? payload_checksums : 0) | (placed ? shared_segment : 0) | (relays ? relayed : 0) |
                    path_flags;
     send_frame(c, header, body.bytes());
-    if (relays) relay_to_hosts(c, *same_host, placed->pieces);
+    if (relays) {
+        try {
+            relay_to_hosts(c, *same_host, placed->pieces);
+        } catch (...) {
+            // The backend may still read the batch's segment: it is never reused or unmapped.
+            if (placed->held.id) shm_pool::instance().abandon(*std::exchange(placed->held.id, std::nullopt));
+            throw;
+        }
+    }
     send_payload(c, plan, header);
 }
 

@@ -315,6 +315,9 @@ struct same_host_state {
     std::shared_ptr<follower_link> link;
 
     bool relays() const { return !hosts.empty(); }
+    int alive_links() const {
+        return static_cast<int>(std::count_if(links.begin(), links.end(), [](const root_link& l) { return l.alive; }));
+    }
 
     // Reads every answer waiting on the root's sockets, at every broadcast. A follower whose
     // socket closed or sent nonsense has died or lost step: its link is dropped, and the path
@@ -408,6 +411,7 @@ public:
              std::optional<c10::weak_intrusive_ptr<c10::intrusive_ptr_target>> owner) {
         std::lock_guard<std::mutex> lock(mutex_);
         states_.insert_or_assign(std::make_pair(group, root), entry{std::move(s), std::move(owner)});
+        shm_pool::instance().set_serving(true);
     }
     // Drops the state of a failed group: its sockets close now. When no same-host state is
     // left, the free segments serve nobody and are freed too.
@@ -423,7 +427,7 @@ public:
             last = states_.empty();
         }
         s->end_path("a broadcast on this group failed");
-        if (last) shm_pool::instance().release_free();
+        if (last) release_all_free();
     }
     void drop_all() {
         std::map<std::pair<const void*, int>, entry> states;
@@ -432,7 +436,7 @@ public:
             states.swap(states_);
         }
         for (auto& [key, e] : states) e.state->end_path("the same-host channels were closed");
-        shm_pool::instance().release_free();
+        release_all_free();
     }
 
 private:
@@ -460,7 +464,15 @@ private:
             last = !dead.empty() && states_.empty();
         }
         for (auto& e : dead) e.state->end_path("the same-host channels were closed");
-        if (last) shm_pool::instance().release_free();
+        if (last) release_all_free();
+    }
+
+    // No same-host state is left: the free segments serve nobody, now or when let go of.
+    void release_all_free() {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!states_.empty()) return;
+        shm_pool::instance().set_serving(false);
+        shm_pool::instance().release_free();
     }
 
     std::mutex mutex_;

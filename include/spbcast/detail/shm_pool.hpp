@@ -120,10 +120,25 @@ public:
     }
 
     // A follower let go of segment `id` (it unmapped it, or never mapped it).
+    // Without a same-host path left to serve (set_serving), a segment let go of is freed, not
+    // kept for reuse: a host leader's own batches may outlive its failed group.
     void release_follower(std::uint64_t id) {
         update(id, [](segment_holders& h) {
             if (h.followers > 0) --h.followers;
         });
+        if (!owner()) return;
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (serving_) return;
+        if (auto it = segments_.find(id); it != segments_.end() && it->second.holders.may_refill()) {
+            cached_ -= it->second.segment.capacity();
+            segments_.erase(it);
+        }
+    }
+    // Whether any (group, root) still takes the same-host path here (same_host_registry).
+    void set_serving(bool serving) {
+        if (!owner()) return;
+        std::lock_guard<std::mutex> lock(mutex_);
+        serving_ = serving;
     }
     // The root's tensor in segment `id` was freed.
     void release_tensor(std::uint64_t id) {
@@ -139,6 +154,19 @@ public:
         auto it = segments_.find(id);
         if (it == segments_.end()) return;
         if (it->second.holders.may_refill()) cached_ -= it->second.segment.capacity();
+        segments_.erase(it);
+        ++forgotten_;
+    }
+
+    // Segment `id` took part in a transfer that failed: it is forgotten, and its mapping is
+    // never unmapped (shm_segment::keep_mapped_until_exit).
+    void abandon(std::uint64_t id) {
+        if (!owner()) return;
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto it = segments_.find(id);
+        if (it == segments_.end()) return;
+        if (it->second.holders.may_refill()) cached_ -= it->second.segment.capacity();
+        it->second.segment.keep_mapped_until_exit();
         segments_.erase(it);
         ++forgotten_;
     }
@@ -283,6 +311,7 @@ private:
     std::uint64_t next_id_ = 0;
     std::uint64_t clock_ = 0;
     std::size_t cached_ = 0;
+    bool serving_ = false;
     shm_pool_limits limits_;
     std::size_t reused_ = 0, created_ = 0, fallbacks_ = 0, tensors_allocated_ = 0, tensors_shared_ = 0,
                 forgotten_ = 0;

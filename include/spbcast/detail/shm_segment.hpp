@@ -176,6 +176,10 @@ public:
 
     explicit operator bool() const { return static_cast<bool>(fd_); }
     int fd() const { return fd_.get(); }
+    // After a failed transfer the backend may still write into (or read from) the mapping: it
+    // stays mapped until the process exits (as detail::quarantine keeps buffers), and only the
+    // descriptor closes with this object.
+    void keep_mapped_until_exit() { data_ = nullptr; }
     std::uint8_t* data() const { return static_cast<std::uint8_t*>(data_); }
     std::size_t capacity() const { return capacity_; }
 
