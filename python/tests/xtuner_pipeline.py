@@ -133,7 +133,8 @@ class TinyQwen3VLTokenizeFunction(XT.utils.CachableTokenizeFunction):
         if self.state == "cache":  # the lengths only, as XTuner's smart_get_thw
             rh, rw = smart_resize(h, w, factor=32, min_pixels=self.pixels[0], max_pixels=self.pixels[1])
             n_img = (rh // 32) * (rw // 32)
-            return {"num_tokens": n_img + len(text) + 3, "num_img_tokens": [n_img]}
+            n = n_img + len(text) + 3
+            return {"num_tokens": n, "num_img_tokens": [n_img], "proxy_attn_flops": float(n)}
         image = np.random.default_rng(seed).integers(0, 256, size=(h, w, 3), dtype=np.uint8)
         processed = self.processor(images=[image], return_tensors="pt")
         pixel_values, thw = processed["pixel_values"], processed["image_grid_thw"]
