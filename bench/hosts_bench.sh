@@ -3,13 +3,14 @@
 # joined to it by a veth pair rate-limited with tc (both directions), ranks host-contiguous as
 # launchers place them. For each layout (hosts x ranks per host, root) one run of
 # `spbcast_shm_worker hosts_bench` puts side by side one raw Gloo broadcast of the payload's
-# bytes, spbcast's network path and spbcast's automatic choice (hierarchical here): median
-# time per batch, bytes over the links per batch (the veth counters) and the group's memory
-# while a batch is alive (sum of Pss_Anon + change in Shmem), both over the payload. The
-# namespaces share this machine's memory and CPUs; the byte counts show what really crossed.
+# bytes, spbcast's network path and spbcast's automatic choice (hierarchical here, also with
+# the leader allocating its batch in shared memory): median time per batch and bytes over the
+# links per batch (the veth counters) over the payload; then, in fresh processes for each, the
+# group's memory while a batch is alive (`group_memory`: sum of Pss_Anon + change in Shmem).
+# The namespaces share this machine's memory and CPUs; the byte counts show what crossed.
 #
 #   bench/hosts_bench.sh [path/to/spbcast_shm_worker]      (default: build/system/tests/)
-#   RATE=1gbit PROFILE=qwen3-vl-image MICRO=4 REPEATS=3 LAYOUTS="2x2:0 2x2:3 2x4:0 2x4:7 3x2:0"
+#   RATE=1gbit PROFILE=qwen3-vl-image MICRO=3 REPEATS=3 LAYOUTS="2x2:0 2x2:3 2x4:0 2x4:7 3x2:0"
 #
 # Needs root, ip(8) and tc(8); exits 77 where it cannot run. Cleans up after itself.
 set -uo pipefail
@@ -18,7 +19,7 @@ cd "$(dirname "$0")/.."
 WORKER="${1:-build/system/tests/spbcast_shm_worker}"
 RATE="${RATE:-1gbit}"
 PROFILE="${PROFILE:-qwen3-vl-image}"
-MICRO="${MICRO:-4}"
+MICRO="${MICRO:-3}"
 REPEATS="${REPEATS:-3}"
 LAYOUTS="${LAYOUTS:-2x2:0 2x2:3 2x4:0 2x4:7 3x2:0}"
 
@@ -59,15 +60,12 @@ host() {  # <index>: namespace spbh<index>_<id> at 10.97.0.<index+1>, its link l
 }
 for h in 0 1 2; do host $h; done
 
-echo "hosts_bench: $(nproc) CPUs, links limited to $RATE, profile $PROFILE x $MICRO, $REPEATS repeats, $("$WORKER" 2>&1 | head -0)"
+echo "hosts_bench: $(nproc) CPUs, links limited to $RATE, profile $PROFILE x $MICRO micro-batches, median of $REPEATS"
 PORT=29600
 status=0
-for layout in $LAYOUTS; do
-    hosts=${layout%%x*}
-    rest=${layout#*x}
-    per_host=${rest%%:*}
-    root=${layout#*:}
-    world=$((hosts * per_host))
+launch() {  # <hosts> <ranks per host> <worker arguments...>: runs one group; rank 0's output
+    local hosts=$1 per_host=$2 world=$(($1 * $2)) rank h counter
+    shift 2
     PORT=$((PORT + 1))
     PIDS=()
     for rank in $(seq 0 $((world - 1))); do
@@ -76,12 +74,25 @@ for layout in $LAYOUTS; do
         [ $((rank % per_host)) = 0 ] && counter=1
         ip netns exec "spbh${h}_$ID" env MASTER_ADDR=10.97.0.1 MASTER_PORT=$PORT RANK=$rank WORLD_SIZE=$world \
             LOCAL_RANK=$((rank % per_host)) GLOO_SOCKET_IFNAME="vh${h}x$ID" HOST_COUNTER=$counter timeout 600 \
-            "$WORKER" hosts_bench "$PROFILE" "$MICRO" "$root" "$REPEATS" > "$WORK/rank$rank.log" 2>&1 &
+            "$WORKER" "$@" > "$WORK/rank$rank.log" 2>&1 &
         PIDS+=($!)
     done
     for rank in $(seq 0 $((world - 1))); do
-        wait "${PIDS[$rank]}" || { status=1; echo "hosts_bench: rank $rank of $layout failed:"; sed 's/^/  /' "$WORK/rank$rank.log"; }
+        wait "${PIDS[$rank]}" || { status=1; echo "hosts_bench: rank $rank of $* failed:"; sed 's/^/  /' "$WORK/rank$rank.log"; }
     done
-    sed -n "s/^hosts_bench | /$hosts hosts x $per_host ranks, root $root | /p" "$WORK/rank0.log"
+    cat "$WORK/rank0.log"
+}
+for layout in $LAYOUTS; do
+    hosts=${layout%%x*}
+    rest=${layout#*x}
+    per_host=${rest%%:*}
+    root=${layout#*:}
+    label="$hosts hosts x $per_host ranks, root $root"
+    launch "$hosts" "$per_host" hosts_bench "$PROFILE" "$MICRO" "$root" "$REPEATS" | sed -n "s/^hosts_bench | /$label | /p"
+    # Group memory while a batch is alive, each in fresh processes (caches would hide it).
+    for mode in "network plain" "auto plain" "auto leader_allocates"; do
+        set -- $mode
+        launch "$hosts" "$per_host" group_memory "$PROFILE" "$MICRO" "$1" "$2" "$root" | sed -n "s/^group memory /$label | memory /p"
+    done
 done
 exit $status

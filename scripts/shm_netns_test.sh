@@ -31,7 +31,7 @@ run() {  # <world> <first rank in the second namespace> <root> <transport> <expe
         local ns=$NS_A dev=$VETH_A
         if [ "$rank" -ge "$split" ]; then ns=$NS_B; dev=$VETH_B; fi
         ip netns exec "$ns" env MASTER_ADDR=$ADDR_A MASTER_PORT=$PORT RANK=$rank WORLD_SIZE=$world LOCAL_RANK=$rank \
-            GLOO_SOCKET_IFNAME=$dev timeout 120 \
+            GLOO_SOCKET_IFNAME=$dev SPBCAST_TEST_NO_DESCRIPTORS_RANK="${NO_DESCRIPTORS_RANK:--1}" timeout 120 \
             "$WORKER" check qwen3-vl-image 1 3 "$root" "$4" "$5" > "$WORK/rank$rank.log" 2>&1 &
         PIDS+=($!)
     done
@@ -47,9 +47,16 @@ run 3 2 0 shm refused || fail "transport shared_memory with a follower in anothe
 grep -q "another network namespace" "$WORK/rank0.log" || fail "the refusal does not name the reason"
 # Two ranks on each side: the payload crosses the link once, to the other side's host leader.
 run 4 2 0 auto hosts || fail "transport automatic over two namespaces of two ranks each"
+grep -q "rank 2 leader 2 serves 1" "$WORK/rank2.log" && grep -q "rank 3 leader 2 serves 0" "$WORK/rank3.log" ||
+    fail "rank 2 does not lead the other side"
 run 4 2 3 auto hosts || fail "transport automatic over two namespaces, the root not its side's lowest rank"
 # A rank alone on its side: hierarchical relays to it all the same (into its own memory).
 run 3 2 1 hier hosts || fail "transport hierarchical with a follower alone in another network namespace"
+# The other side's would-be leader can open no descriptor in the handshake (it cannot even read
+# its host's identity): it and the other rank there each get the payload on their own.
+NO_DESCRIPTORS_RANK=2 run 4 2 0 hier hosts || fail "a side whose leader cannot create segments"
+grep -q "rank 2 leader 2 serves 0" "$WORK/rank2.log" && grep -q "rank 3 leader 3 serves 0" "$WORK/rank3.log" ||
+    fail "the other side's ranks are not served on their own when its leader cannot"
 # Faults on the hierarchical path, 2 ranks on each side: the root, the other side's host leader
 # or a follower behind it is SIGKILLed, or the link is cut, while batches flow; every survivor
 # must raise a spbcast error (exit 3: no descriptor of ours left open) well within the bound.

@@ -20,7 +20,7 @@
 //       bit-exact, and neither the root's later writes nor a follower's reach another rank; a
 //       child a follower forks (a loader worker) neither releases its segments nor allocates
 //       from the pool.
-//   spbcast_shm_worker group_memory <profile> <micro_batches> <auto|network|shm> [leader_allocates]
+//   spbcast_shm_worker group_memory <profile> <micro_batches> <auto|network|shm> [leader_allocates|plain] [root]
 //       prints the group's memory while a batch is alive (sum of Pss_Anon + change in Shmem).
 //   spbcast_shm_worker soak <rounds>
 //       many small and mid-sized batches; descriptor count and memory must stay flat.
@@ -44,8 +44,8 @@
 //   spbcast_shm_worker hosts_bench <profile> <micro_batches> <root> <repeats>
 //       for bench/hosts_bench.sh (ranks in network namespaces): one raw Gloo broadcast of the
 //       payload's bytes, the network path and automatic (hierarchical over hosts), side by side:
-//       median time, bytes over the links (the namespaces' veth counters; HOST_COUNTER=1 on one
-//       rank per namespace) and group memory while a batch is alive, per batch over the payload.
+//       median time and bytes over the links per batch (the namespaces' veth counters;
+//       HOST_COUNTER=1 on one rank per namespace) over the payload.
 //   spbcast_shm_worker ranks <world> <mode> <arguments...>
 //       starts <world> ranks of this program in <mode> on a store of their own (the test kit's
 //       launcher, for bench/report.py), prints rank 0's output, fails if a rank failed.
@@ -156,6 +156,20 @@ int check(int argc, char** argv) {
     (void)argc;
     auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
     const spbcast::options opts{.root = root, .timeout = std::chrono::seconds(30), .transport = transport};
+    // SPBCAST_TEST_NO_DESCRIPTORS_RANK: that rank can open no descriptor during the first
+    // broadcast (its RLIMIT_NOFILE at its lowest free descriptor), so in the handshake it can
+    // neither read its host's identity nor create a segment: on the hierarchical path it gets
+    // the payload on its own.
+    std::optional<rlimit> saved_limit;
+    if (const char* r = std::getenv("SPBCAST_TEST_NO_DESCRIPTORS_RANK"); r && std::atoi(r) == env.rank) {
+        rlimit limit{};
+        ::getrlimit(RLIMIT_NOFILE, &limit);
+        saved_limit = limit;
+        const int lowest_free = ::dup(0);
+        ::close(lowest_free);
+        limit.rlim_cur = static_cast<rlim_t>(lowest_free);
+        ::setrlimit(RLIMIT_NOFILE, &limit);
+    }
     // The followers whose writes must stay private: one on the root's host, and the last rank
     // (on another host when the group spans hosts).
     const int writer = root == 0 ? 1 : 0;
@@ -173,11 +187,19 @@ int check(int argc, char** argv) {
             }
             throw;
         }
+        if (saved_limit) {
+            ::setrlimit(RLIMIT_NOFILE, &*saved_limit);
+            saved_limit.reset();
+        }
         if (expect == "refused") {
             std::cerr << "rank " << env.rank << ": transport shared_memory was not refused\n";
             return 1;
         }
         const std::string path = path_name(group, root);
+        if (step == 0 && path == "hosts") {  // this rank's host leader, and the ranks it serves
+            const auto state = path_of(group, root);
+            std::cout << "rank " << env.rank << " leader " << state->leader << " serves " << state->links.size() << "\n";
+        }
         if (path != expect) {
             std::cerr << "rank " << env.rank << ": expected the " << expect << " path, got " << path << "\n";
             return 1;
@@ -507,8 +529,9 @@ int group_memory(char** argv) {
     const int micro_batches = std::stoi(argv[3]);
     const auto transport = mode_of(argv[4]);
     const bool leader_allocates = argv[5] && std::string(argv[5]) == "leader_allocates";
+    const int root = argv[5] && argv[6] ? std::stoi(argv[6]) : 0;
     auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
-    const spbcast::options opts{.timeout = std::chrono::seconds(60), .transport = transport};
+    const spbcast::options opts{.root = root, .timeout = std::chrono::seconds(60), .transport = transport};
     {   // the handshake, and the loader-side warm-up, outside the measurement
         std::vector<at::Tensor> nothing;
         spbcast::broadcast(nothing, group, opts);
@@ -519,7 +542,7 @@ int group_memory(char** argv) {
     barrier(group);
     xtuner::Batch batch;
     std::uint64_t payload = 0;
-    if (env.rank == 0) {
+    if (env.rank == root) {
         std::optional<spbcast::shared_memory_scope> in_shared_memory;
         if (leader_allocates) in_shared_memory.emplace();
         batch = xtuner::make_batch(profile, micro_batches, 1);
@@ -945,17 +968,9 @@ int hosts_bench(char** argv) {
     double raw_ms = 0;
     for (const method& m : methods) {
         opts.transport = m.transport;
-        if (!m.raw) {  // the handshake outside the measurement
-            std::vector<at::Tensor> nothing;
-            spbcast::broadcast(nothing, group, opts);
-        }
-        std::vector<double> times;
-        std::int64_t link = 0;
-        long memory_kib = 0;
-        for (int i = 0; i < repeats; ++i) {
-            barrier(group);
-            const long shmem_before = kib_of("/proc/meminfo", "Shmem:");
-            const long pss_before = pss_anon_kib();
+        // One batch of the method (the root builds it first, outside any time): its time on
+        // rank 0 up to a barrier after it, and the bytes this namespace sent meanwhile.
+        auto one_batch = [&](double& ms, std::int64_t& sent) {
             xtuner::Batch batch;
             if (env.rank == root) {
                 std::optional<spbcast::shared_memory_scope> in_shared_memory;
@@ -974,26 +989,27 @@ int hosts_bench(char** argv) {
                 spbcast::broadcast(batch, group, opts);
             }
             barrier(group);
-            times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
-            const std::int64_t sent = link_bytes_sent() - sent_before;  // before any other message
+            ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+            sent = link_bytes_sent() - sent_before;
             if (!m.raw && spbcast::digest(batch) != want) throw std::runtime_error("a batch differs from the root's");
-            barrier(group);
-            const long pss = pss_anon_kib() - pss_before;
-            const long shmem = kib_of("/proc/meminfo", "Shmem:") - shmem_before;
+        };
+        double ms = 0;
+        std::int64_t sent = 0;
+        one_batch(ms, sent);  // the handshake and warm caches, outside the measurement
+        std::vector<double> times;
+        std::int64_t link = 0;
+        for (int i = 0; i < repeats; ++i) {
+            one_batch(ms, sent);
+            times.push_back(ms);
             link += sum_over_ranks(group, sent);
-            const std::int64_t pss_sum = sum_over_ranks(group, pss);
-            memory_kib += static_cast<long>(pss_sum + (env.rank == root ? shmem : 0));
         }
-        memory_kib = static_cast<long>(sum_over_ranks(group, env.rank == root ? memory_kib : 0));
         std::sort(times.begin(), times.end());
         const double median = times[times.size() / 2];
         if (m.raw) raw_ms = median;
         if (env.rank == 0)
             std::cout << "hosts_bench | " << m.name << " | " << median << " ms | " << median / raw_ms << "x raw | link "
-                      << static_cast<double>(link) / repeats / static_cast<double>(payload) << "x payload | memory "
-                      << (m.raw ? std::string("-") : std::to_string(static_cast<double>(memory_kib) * 1024 / repeats /
-                                                                     static_cast<double>(payload)) + "x payload")
-                      << " | payload " << payload / 1048576.0 << " MiB\n";
+                      << static_cast<double>(link) / repeats / static_cast<double>(payload) << "x payload | payload "
+                      << payload / 1048576.0 << " MiB\n";
     }
     barrier(group);
     return 0;

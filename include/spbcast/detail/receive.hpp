@@ -411,6 +411,13 @@ void receive(collective<Group>& c, T& value, same_host_state* same_host = nullpt
              at::Tensor early_frame = {}) {
     const options& opts = c.opts();
     if (same_host && same_host->link) same_host->link->flush();  // answers the socket had no room for
+    if (same_host && !same_host->links.empty()) {
+        // A host leader reads its followers' answers at every broadcast, as the root does. A
+        // follower that is gone fails the group's next collective; until then this host keeps
+        // relaying to the others, as the root's frames announce.
+        same_host->collect_releases();
+        same_host->lost.clear();
+    }
     auto [header, body] = receive_frame(c, std::move(early_frame));
     const std::vector<slot_meta> slots = announced_slots(c, header, body);
     if ((header.flags & same_host_closed) && same_host)

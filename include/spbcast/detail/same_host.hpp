@@ -460,7 +460,6 @@ std::vector<at::Tensor> relay_in(collective<Group>& c, same_host_state& state, c
     segment_layout local = relay_layout(source, offsets);
     const std::uint64_t total = local.segments[0].used;
     const int root = c.opts().root;
-    state.collect_releases();
     auto& pool = shm_pool::instance();
     shm_pool::lease lease;
     at::Tensor memory;  // where the relayed bytes land; undefined: drained
@@ -537,9 +536,7 @@ std::vector<at::Tensor> relay_in(collective<Group>& c, same_host_state& state, c
                 if (l.alive && send_message(l.sock.get(), none, {}, c.opts().timeout) != send_status::sent)
                     state.drop_link(l, "its socket stayed full or closed");
         }
-        // A follower that is gone fails the group's next collective; until then this host
-        // keeps relaying to the others, as the root's frames announce.
-        state.lost.clear();
+        state.lost.clear();  // as in receive()
     }
     if (!memory.defined()) {
         failure = std::make_exception_ptr(error(
