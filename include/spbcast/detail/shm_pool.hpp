@@ -148,28 +148,20 @@ public:
     // Segment `id` may be mapped by a process that cannot report (a forked child, a follower
     // whose connection is gone): it is never written again. The pool closes its own descriptor
     // and mapping; the kernel frees the pages with the last mapping elsewhere.
-    void forget(std::uint64_t id) {
+    void forget(std::uint64_t id, bool keep_mapped = false) {
         if (!owner()) return;
         std::lock_guard<std::mutex> lock(mutex_);
         auto it = segments_.find(id);
         if (it == segments_.end()) return;
         if (it->second.holders.may_refill()) cached_ -= it->second.segment.capacity();
+        if (keep_mapped) it->second.segment.keep_mapped_until_exit();
         segments_.erase(it);
         ++forgotten_;
     }
 
     // Segment `id` took part in a transfer that failed: it is forgotten, and its mapping is
     // never unmapped (shm_segment::keep_mapped_until_exit).
-    void abandon(std::uint64_t id) {
-        if (!owner()) return;
-        std::lock_guard<std::mutex> lock(mutex_);
-        auto it = segments_.find(id);
-        if (it == segments_.end()) return;
-        if (it->second.holders.may_refill()) cached_ -= it->second.segment.capacity();
-        it->second.segment.keep_mapped_until_exit();
-        segments_.erase(it);
-        ++forgotten_;
-    }
+    void abandon(std::uint64_t id) { forget(id, true); }
 
     void set_limits(const shm_pool_limits& limits) {
         if (!owner()) return;
