@@ -184,6 +184,11 @@ TEST_CASE("shared memory: ranks as threads - checksums, a root error after the s
     });
 }
 
+// The groups Python (c10d::ProcessGroup) and the C++ helpers (ProcessGroupGloo) hand spbcast
+// qualify for the hierarchical path.
+static_assert(spbcast::detail::point_to_point_group<c10d::ProcessGroup>);
+static_assert(spbcast::detail::point_to_point_group<c10d::ProcessGroupGloo>);
+
 TEST_CASE("hierarchical: on one host it is the same-host path; a transport without send/recv is refused on every rank") {
     // Across hosts: scripts/shm_netns_test.sh (network namespaces), bench/hosts_bench.sh.
     spbcast_test::run_ranks(3, [&](int rank, auto& group) {
