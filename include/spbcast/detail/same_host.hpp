@@ -529,12 +529,7 @@ std::vector<at::Tensor> relay_in(collective<Group>& c, same_host_state& state, c
             local.segments[0].capacity = lease.capacity;
             hand_over(state, local, {lease.fd}, header.sequence, c.opts().timeout);
         } else {
-            shm_message none;  // no segment: this batch is lost on this host
-            none.kind = shm_message_kind::segments;
-            none.sequence = header.sequence;
-            for (auto& l : state.links)
-                if (l.alive && send_message(l.sock.get(), none, {}, c.opts().timeout) != send_status::sent)
-                    state.drop_link(l, "its socket stayed full or closed");
+            hand_over(state, {}, {}, header.sequence, c.opts().timeout);  // no segment: lost on this host
         }
         state.lost.clear();  // as in receive()
     }

@@ -123,16 +123,12 @@ public:
     // Without a same-host path left to serve (set_serving), a segment let go of is freed, not
     // kept for reuse: a host leader's own batches may outlive its failed group.
     void release_follower(std::uint64_t id) {
-        update(id, [](segment_holders& h) {
-            if (h.followers > 0) --h.followers;
-        });
-        if (!owner()) return;
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (serving_) return;
-        if (auto it = segments_.find(id); it != segments_.end() && it->second.holders.may_refill()) {
-            cached_ -= it->second.segment.capacity();
-            segments_.erase(it);
-        }
+        update(
+            id,
+            [](segment_holders& h) {
+                if (h.followers > 0) --h.followers;
+            },
+            true);
     }
     // Whether any (group, root) still takes the same-host path here (same_host_registry).
     void set_serving(bool serving) {
@@ -251,14 +247,20 @@ private:
         return {id, e.segment.fd(), e.segment.data(), e.segment.capacity()};
     }
 
+    // Applies `change` to segment `id`'s holders; a segment that may be refilled now is kept
+    // for reuse - or freed when `free_unserved` and no same-host path is left (set_serving).
     template <class F>
-    void update(std::uint64_t id, F change) {
+    void update(std::uint64_t id, F change, bool free_unserved = false) {
         if (!owner()) return;
         std::lock_guard<std::mutex> lock(mutex_);
         auto it = segments_.find(id);
         if (it == segments_.end() || it->second.holders.may_refill()) return;
         change(it->second.holders);
         if (!it->second.holders.may_refill()) return;
+        if (free_unserved && !serving_) {
+            segments_.erase(it);
+            return;
+        }
         it->second.returned_at = clock_;
         cached_ += it->second.segment.capacity();
         trim_locked(limits_.free_bytes, limits_.free_segments);
