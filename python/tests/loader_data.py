@@ -10,6 +10,22 @@ from torch.utils.data import Dataset, Sampler, get_worker_info
 from batches import SequenceContext
 
 
+def xtuner_steps(loader, total_step, cur_epoch=1, cur_step=0):
+    """XTuner's Trainer._data_iter: the trainer counts epochs from 1 and, when a pass ends, calls
+    set_epoch(2), (3), ... and starts the next. Yields (step, epoch, batch) up to total_step."""
+    data_iter = iter(loader)
+    while cur_step < total_step:
+        try:
+            data = next(data_iter)
+        except StopIteration:
+            cur_epoch += 1
+            loader.set_epoch(cur_epoch)
+            data_iter = iter(loader)
+            data = next(data_iter)
+        cur_step += 1
+        yield cur_step, cur_epoch, data
+
+
 class Samples(Dataset):
     def __init__(self, n=16, length=64, noise=True, main_noise=False):
         self.n, self.length, self.noise, self.main_noise = n, length, noise, main_noise

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import spbcast
 from dist_harness import run
-from loader_data import HookedLoader, XTunerLikeLoader
+from loader_data import HookedLoader, XTunerLikeLoader, xtuner_steps
 
 TOTAL = 15  # 3 epochs of 5 batches
 SAVE_AT = 7  # mid-epoch 2
@@ -25,20 +25,11 @@ def xtuner_loop(loader, total_step, cur_epoch=1, cur_step=0, save_at=None):
     calls set_epoch(2), (3), ... after each pass; at save_at it takes the loader's state
     (get_state_dict, on every rank) with its own position and generator."""
     seen, saved = [], None
-    data_iter = iter(loader)
-    while cur_step < total_step:
-        try:
-            data = next(data_iter)
-        except StopIteration:
-            cur_epoch += 1
-            loader.set_epoch(cur_epoch)
-            data_iter = iter(loader)
-            data = next(data_iter)
-        cur_step += 1
+    for step, epoch, data in xtuner_steps(loader, total_step, cur_epoch, cur_step):
         seen.append(_record(data))
         torch.rand(3)  # the model step's own draws
-        if cur_step == save_at:
-            saved = {"loader": loader.get_state_dict(), "epoch": cur_epoch, "step": cur_step,
+        if step == save_at:
+            saved = {"loader": loader.get_state_dict(), "epoch": epoch, "step": step,
                      "rng": torch.get_rng_state()}
     return seen, saved
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from batches import assert_same, assert_same_aliasing
 from dist_harness import run
+from loader_data import xtuner_steps
 from xtuner_available import unavailable
 
 
@@ -44,24 +45,15 @@ def xtuner_loop(loader, total_step, ckpt_dir, rank, cur_epoch=1, cur_step=0, sav
     checkpoint as Trainer._save_dataloader writes it (get_state_dict on every rank, saved by rank
     0) with the train state (cur_step, cur_epoch). Returns [(batch, epoch, rng after the step)]."""
     seen = []
-    data_iter = iter(loader)
-    while cur_step < total_step:
-        try:
-            data = next(data_iter)
-        except StopIteration:
-            cur_epoch += 1
-            loader.set_epoch(cur_epoch)
-            data_iter = iter(loader)
-            data = next(data_iter)
-        cur_step += 1
+    for step, epoch, data in xtuner_steps(loader, total_step, cur_epoch, cur_step):
         torch.rand(4)  # the model step's own draws
-        seen.append((data, cur_epoch, torch.get_rng_state()))
-        if cur_step in save_at:
+        seen.append((data, epoch, torch.get_rng_state()))
+        if step in save_at:
             state = loader.get_state_dict()
             if rank == 0:
-                torch.save(state, os.path.join(ckpt_dir, f"dataloader-{cur_step}"))
-                with open(os.path.join(ckpt_dir, f"train_state-{cur_step}.json"), "w") as f:
-                    json.dump({"cur_step": cur_step, "cur_epoch": cur_epoch}, f)
+                torch.save(state, os.path.join(ckpt_dir, f"dataloader-{step}"))
+                with open(os.path.join(ckpt_dir, f"train_state-{step}.json"), "w") as f:
+                    json.dump({"cur_step": step, "cur_epoch": epoch}, f)
     return seen
 
 
