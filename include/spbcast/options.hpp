@@ -51,6 +51,11 @@ struct options {
     // followers verify it and raise errc::payload_corrupt on a mismatch.
     bool checksum = false;
     transport_mode transport = transport_mode::automatic;
+    // The hierarchical path moves the payload from host leader to host leader in a chain, in
+    // chunks of this size that each leader forwards as they land: a batch of B bytes over H
+    // hosts takes about (B + (H - 2) x this) / link rate, and every wait covers one chunk.
+    // The root's value is used (the frame carries it), clamped to [64 KiB, 1 GiB].
+    std::size_t relay_chunk_bytes = std::size_t{4} << 20;
     spbcast::limits limits = {};
 
     std::chrono::milliseconds root_wait_or_timeout() const {

@@ -90,10 +90,14 @@ public:
     }
 
     // Starts sending `buffer` to group rank `peer` (send) or receiving it from there (!send):
-    // bounded by options.timeout and reported like a broadcast.
-    void launch_point_to_point(at::Tensor buffer, int peer, bool send, std::string phase) {
+    // bounded by options.timeout and reported like a broadcast. `in_flight`: the most messages
+    // outstanding (default options.max_in_flight); a relay that receives and forwards at once
+    // needs room for both.
+    void launch_point_to_point(at::Tensor buffer, int peer, bool send, std::string phase,
+                               std::size_t in_flight = 0) {
         if constexpr (point_to_point_group<Group>) {
-            while (pending_.size() >= std::max<std::size_t>(opts_.max_in_flight, 1)) finish_oldest();
+            const std::size_t bound = in_flight != 0 ? in_flight : std::max<std::size_t>(opts_.max_in_flight, 1);
+            while (pending_.size() >= bound) finish_oldest();
             pending p{{}, buffer, std::move(phase), {}, {buffer}, opts_.timeout};
             try {
                 p.work = send ? group_.send(p.tensors, peer, point_to_point_tag)
@@ -128,6 +132,13 @@ public:
 
     void wait_all() {
         while (!pending_.empty()) finish_oldest();
+    }
+
+    // Messages complete in launch order: `launched()` before a launch numbers that message,
+    // and `wait_through(n)` waits until it (and every one before it) has completed.
+    std::size_t launched() const { return completed_ + pending_.size(); }
+    void wait_through(std::size_t n) {
+        while (completed_ <= n && !pending_.empty()) finish_oldest();
     }
 
     int rank() const { return rank_; }
@@ -165,6 +176,7 @@ private:
         }
         auto on_done = std::move(p.on_done);
         pending_.pop_front();
+        ++completed_;
         if (!on_done) return;
         try {
             on_done();
@@ -211,6 +223,7 @@ private:
     int rank_;
     c10d::BroadcastOptions broadcast_options_;
     std::deque<pending> pending_;
+    std::size_t completed_ = 0;
     std::exception_ptr callback_failure_;
 };
 

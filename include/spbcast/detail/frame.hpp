@@ -15,7 +15,7 @@
 namespace spbcast::detail {
 
 inline constexpr std::uint32_t frame_magic = 0x43425053;  // "SPBC" in little-endian bytes
-inline constexpr std::uint16_t format_version = 6;
+inline constexpr std::uint16_t format_version = 7;
 inline constexpr std::size_t inline_frame_bytes = 8192;  // header + first body bytes
 
 // keep_alive: the root is still producing its batch; the real frame follows (keep_alive.hpp).
@@ -27,9 +27,9 @@ enum class frame_status : std::uint16_t { ok = 0, error = 1, keep_alive = 2, sam
 // (same_host.hpp) described after the slot table, and travel in no collective.
 // same_host_closed: the root ended the same-host path of this (group, root) - it lost a link -
 // and this batch and every later one take the network path (every rank ends it here).
-// relayed: the layout's segments are the root's; after the frame the root sends their bytes to
-// every other host's leader (point to point), and each leader hands its own copy to its host
-// (same_host.hpp: relay). Bits 3-4 carry the root's options.transport (transport_flag), which
+// relayed: the layout's segments are the root's; after the frame their used bytes move in
+// chunks along a chain of host leaders (point to point, each forwarding what lands), and each
+// leader hands its own copy to its host (same_host.hpp: relay). Bits 3-4 carry the root's options.transport (transport_flag), which
 // followers check.
 enum frame_flags : std::uint32_t { payload_checksums = 1, shared_segment = 2, same_host_closed = 4, relayed = 32 };
 

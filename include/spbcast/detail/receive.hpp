@@ -377,8 +377,7 @@ std::exception_ptr accept_frame(collective<Group>& c, const frame_header& header
         if (unusable) return unusable;
         if (relay_failure) return relay_failure;
         if (frame->segment && remote && !leads_remote) {
-            std::vector<std::uint64_t> offsets;
-            segment_layout local = relay_layout(*frame->segment, offsets);
+            segment_layout local = relay_plan(*frame->segment).local;
             if (delivery->message.count == 0)
                 throw error(errc::limit_exceeded,
                             c.where() + ": the host leader (rank " + std::to_string(same_host->leader) +

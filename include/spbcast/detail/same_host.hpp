@@ -24,7 +24,9 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -34,6 +36,13 @@
 namespace spbcast::detail {
 
 inline constexpr std::uint64_t segment_slot_alignment = 64;
+
+// The relay chunk the root announces: options.relay_chunk_bytes within these bounds.
+inline constexpr std::uint64_t min_relay_chunk_bytes = std::uint64_t{64} << 10;
+inline constexpr std::uint64_t max_relay_chunk_bytes = std::uint64_t{1} << 30;
+inline std::uint64_t relay_chunk_of(const options& opts) {
+    return std::clamp<std::uint64_t>(opts.relay_chunk_bytes, min_relay_chunk_bytes, max_relay_chunk_bytes);
+}
 
 // Where the payload lies: the frame body carries this right after the slot table.
 struct segment_layout {
@@ -49,8 +58,10 @@ struct segment_layout {
     std::vector<segment> segments;           // in the order of the descriptors handed over
     std::vector<place> places;               // per transferred slot (not in the frame)
     std::vector<std::uint64_t> checksums;    // with the checksum flag: per transferred slot
+    std::uint64_t chunk_bytes = 0;           // the root's relay chunk (relay_chunk_of)
 
     void write(byte_writer& out) const {
+        out.put<std::uint64_t>(chunk_bytes);
         out.put<std::uint32_t>(static_cast<std::uint32_t>(segments.size()));
         for (const auto& s : segments) {
             out.put<std::uint64_t>(s.id);
@@ -67,6 +78,9 @@ struct segment_layout {
     // uses, those inside its capacity. Slots that ride in the frame have no place here.
     static segment_layout read(byte_reader& in, const std::vector<slot_meta>& slots, bool with_checksums) {
         segment_layout l;
+        l.chunk_bytes = in.get<std::uint64_t>();
+        if (l.chunk_bytes < min_relay_chunk_bytes || l.chunk_bytes > max_relay_chunk_bytes)
+            in.fail("the relay chunk of " + std::to_string(l.chunk_bytes) + " bytes is out of range");
         const auto count = in.get<std::uint32_t>();
         if (count == 0 || count > max_batch_segments) in.fail("the frame names " + std::to_string(count) + " segments");
         l.segments.resize(count);
@@ -247,6 +261,7 @@ inline std::optional<placed_payload> place_payload(same_host_state& state, const
             placed.layout.places.push_back({0, where.copy_offset[i]});
             if (opts.checksum) placed.layout.checksums.push_back(checksum64(at, plan.slots()[i].bytes));
         }
+        placed.layout.chunk_bytes = relay_chunk_of(opts);
         placed.pieces.push_back(buffer);
         return placed;
     }
@@ -267,45 +282,87 @@ inline std::optional<placed_payload> place_payload(same_host_state& state, const
     }
     std::vector<int> fds;
     placed.layout = fill_segments(plan, where, lease, holders, opts.checksum, fds, placed.pieces);
+    placed.layout.chunk_bytes = relay_chunk_of(opts);
     if (!hand_over(state, placed.layout, fds, sequence, opts.timeout)) return std::nullopt;
     return placed;
 }
 
-// The bytes each relay message carries at most: a host leader that cannot keep a batch drains
-// it through a buffer of this size.
-inline constexpr std::uint64_t relay_chunk_bytes = std::uint64_t{32} << 20;
+// The relay between hosts. The hosts form a chain in the order of same_host_state::hosts (the
+// root's first); each host leader receives the used bytes of the root's segments from the one
+// before it, chunk by chunk, and forwards every chunk to the one after it as soon as it has
+// landed, so each link carries one copy and a batch of B bytes over H hosts takes about
+// (B + (H - 2) C) / b at link rate b and chunk C. Every message is bounded by options.timeout.
 
-// Where the relayed payload lies on a host other than the root's: the root's segments one after
-// the other (aligned) in one segment of that host's leader. Its id and size come with the
-// leader's message (id and capacity stay 0 here).
-inline segment_layout relay_layout(const segment_layout& source, std::vector<std::uint64_t>& piece_offsets) {
-    segment_layout l;
-    std::uint64_t total = 0;
-    piece_offsets.clear();
-    for (const auto& s : source.segments) {
-        total = (total + segment_slot_alignment - 1) / segment_slot_alignment * segment_slot_alignment;
-        piece_offsets.push_back(total);
-        total += s.used;
+// Where the relayed payload lies on a host other than the root's, and the chunks that carry it:
+// the bytes of the root's segments that the slots use (from the first slot in a segment, so a
+// view of a large leader-allocated storage sends only what it uses), one after the other
+// (aligned) in one segment of that host's leader. Its id and size come with the leader's
+// message (id and capacity stay 0 in `local`).
+struct relay_plan {
+    struct chunk {
+        std::uint32_t segment = 0;     // of the root's layout
+        std::uint64_t source = 0;      // offset in that segment
+        std::uint64_t local = 0;       // offset in the host's segment
+        std::uint64_t bytes = 0;
+    };
+    segment_layout local;
+    std::vector<chunk> chunks;
+    std::uint64_t total() const { return local.segments[0].used; }
+    std::uint64_t largest_chunk() const {
+        std::uint64_t most = 0;
+        for (const auto& c : chunks) most = std::max(most, c.bytes);
+        return most;
     }
-    l.segments.push_back({0, 0, total});
-    for (const auto& p : source.places) l.places.push_back({0, piece_offsets[p.segment] + p.offset});
-    l.checksums = source.checksums;
-    return l;
+
+    explicit relay_plan(const segment_layout& source) {
+        std::vector<std::uint64_t> first(source.segments.size(), std::numeric_limits<std::uint64_t>::max());
+        for (const auto& p : source.places) first[p.segment] = std::min(first[p.segment], p.offset);
+        std::vector<std::uint64_t> base(source.segments.size(), 0);
+        std::uint64_t total = 0;
+        const std::uint64_t step = std::max<std::uint64_t>(source.chunk_bytes, 1);
+        for (std::uint32_t j = 0; j < source.segments.size(); ++j) {
+            const std::uint64_t used = source.segments[j].used;
+            first[j] = std::min(first[j], used) / segment_slot_alignment * segment_slot_alignment;
+            total = (total + segment_slot_alignment - 1) / segment_slot_alignment * segment_slot_alignment;
+            base[j] = total;
+            for (std::uint64_t at = first[j]; at < used; at += step)
+                chunks.push_back({j, at, total + (at - first[j]), std::min(step, used - at)});
+            total += used - first[j];
+        }
+        local.segments.push_back({0, 0, total});
+        for (const auto& p : source.places) local.places.push_back({0, base[p.segment] + (p.offset - first[p.segment])});
+        local.checksums = source.checksums;
+        local.chunk_bytes = source.chunk_bytes;
+    }
+};
+
+// The host leaders before and after `rank` in the relay chain (-1: none).
+inline std::pair<int, int> relay_neighbours(const same_host_state& state, int rank) {
+    const auto& hosts = state.hosts;
+    for (std::size_t i = 0; i < hosts.size(); ++i)
+        if (hosts[i].leader == rank)
+            return {i > 0 ? hosts[i - 1].leader : -1, i + 1 < hosts.size() ? hosts[i + 1].leader : -1};
+    return {-1, -1};
 }
 
-// Root, after the frame: the bytes of every segment the frame describes go to each other
-// host's leader, in chunks, point to point.
+inline std::string relay_phase(std::size_t k, std::size_t chunks, int from, int to, int root) {
+    auto who = [root](int r) { return "rank " + std::to_string(r) + (r == root ? " (the root)" : " (host leader)"); };
+    return "relay chunk " + std::to_string(k + 1) + "/" + std::to_string(chunks) + " from " + who(from) + " to " + who(to);
+}
+
+// Root, after the frame: the used bytes of every segment the frame describes go to the next
+// host's leader, chunk by chunk.
 template <class Group>
-void relay_to_hosts(collective<Group>& c, const same_host_state& state, const std::vector<at::Tensor>& pieces) {
-    for (const relay_host& host : state.hosts) {
-        if (host.leader == c.opts().root) continue;
-        for (std::size_t j = 0; j < pieces.size(); ++j)
-            for (std::int64_t at = 0; at < pieces[j].numel(); at += static_cast<std::int64_t>(relay_chunk_bytes))
-                c.launch_point_to_point(
-                    pieces[j].narrow(0, at, std::min<std::int64_t>(relay_chunk_bytes, pieces[j].numel() - at)),
-                    host.leader, true,
-                    "relay to rank " + std::to_string(host.leader) + ", segment " + std::to_string(j + 1) + "/" +
-                        std::to_string(pieces.size()));
+void relay_to_hosts(collective<Group>& c, const same_host_state& state, const segment_layout& layout,
+                    const std::vector<at::Tensor>& pieces) {
+    const int root = c.opts().root, next = relay_neighbours(state, root).second;
+    if (next < 0) return;
+    const relay_plan plan(layout);
+    for (std::size_t k = 0; k < plan.chunks.size(); ++k) {
+        const auto& chunk = plan.chunks[k];
+        c.launch_point_to_point(pieces[chunk.segment].narrow(0, static_cast<std::int64_t>(chunk.source),
+                                                             static_cast<std::int64_t>(chunk.bytes)),
+                                next, true, relay_phase(k, plan.chunks.size(), root, next, root));
     }
     c.wait_all();
 }
@@ -352,17 +409,39 @@ segment_delivery take_segments(collective<Group>& c, same_host_state* state, std
                                                 "path from the root's next broadcast on");
     };
     if (!state || !state->link) throw lost("this rank has no same-host channel to the " + peer);
+    std::uint64_t chunks_landed = 0;
+    // A relaying leader reports a failed chunk within options.timeout and the backend's grace
+    // (collective.hpp): its followers wait longer, to raise what it found, not a timeout.
+    const auto wait = relayed ? c.opts().timeout + 2 * wait_grace : c.opts().timeout;
     for (;;) {
         segment_delivery d;
-        const auto status = receive_message(state->link->socket(), d.message, d.fds, c.opts().timeout);
+        const auto status = receive_message(state->link->socket(), d.message, d.fds, wait);
         if (status == receive_status::closed)
             throw transport_error(errc::transport,
                                   c.where() + " failed in phase 'shared segment': the " + peer +
                                       "'s same-host socket closed - it has probably died; the group is "
                                       "unusable now - restart the job",
                                   "shared segment");
-        if (status == receive_status::timed_out) throw lost("no segment descriptors arrived within options.timeout");
-        if (status == receive_status::malformed || d.message.kind != shm_message_kind::segments)
+        if (status == receive_status::timed_out)
+            throw lost(relayed && chunks_landed > 0
+                           ? "no further relayed chunk reached the " + peer + " within options.timeout (" +
+                                 std::to_string(chunks_landed) + " had)"
+                           : "no segment descriptors arrived within options.timeout");
+        const auto kind = d.message.kind;
+        if (status == receive_status::ok && relayed &&
+            (kind == shm_message_kind::relay_progress || kind == shm_message_kind::relay_failed)) {
+            if (d.message.sequence != sequence) continue;  // another broadcast's: stale
+            if (kind == shm_message_kind::relay_progress) {
+                chunks_landed = d.message.capacity;  // the leader is relaying: a fresh wait
+                continue;
+            }
+            const char* text = reinterpret_cast<const char*>(d.message.ids);
+            c.break_group(errc::transport,
+                          c.where() + ": the " + peer + " is alive but could not relay this batch to this host: " +
+                              std::string(text, strnlen(text, sizeof d.message.ids)) + " - restart the job",
+                          "shared segment");
+        }
+        if (status == receive_status::malformed || kind != shm_message_kind::segments)
             throw lost("the " + peer + "'s socket delivered a malformed message");
         d.link = state->link;
         if (d.message.sequence < sequence) continue;  // stale: released as d goes
@@ -435,12 +514,64 @@ std::vector<at::Tensor> map_segments(collective<Group>& c, segment_delivery& d, 
     return slots_over(mappings, layout, slots);
 }
 
+// A host leader other than the root: tells its followers how the relay goes, without waiting
+// (a follower that is not listening now needs no progress report).
+inline void tell_followers(same_host_state& state, shm_message_kind kind, std::uint64_t sequence,
+                           std::uint64_t chunks, const std::string& text = {}) {
+    shm_message m;
+    m.kind = kind;
+    m.sequence = sequence;
+    m.capacity = chunks;
+    std::memcpy(m.ids, text.data(), std::min(text.size(), sizeof m.ids - 1));
+    for (auto& l : state.links)
+        if (l.alive) send_message(l.sock.get(), m, {}, std::chrono::milliseconds(-1));
+}
+
+// Host leader: receives the relay chunks from the host leader before it in the chain into
+// `memory` (or, undefined, through `scratch`, which holds relay_scratch_chunks chunks), forwards
+// each to the one after it once it has landed, and tells its followers. A failure is told to
+// the followers (this rank is alive; the message names the rank that is not) and raised.
+inline constexpr std::size_t relay_scratch_chunks = 4;
+template <class Group>
+void relay_chunks(collective<Group>& c, same_host_state& state, const relay_plan& plan, std::uint64_t sequence,
+                  const at::Tensor& memory, const at::Tensor& scratch) {
+    const int root = c.opts().root, me = c.rank();
+    const auto [from, to] = relay_neighbours(state, me);
+    const std::size_t n = plan.chunks.size();
+    // At most two receives ahead and two sends behind: with the chunk scratch, the slot a
+    // receive reuses was sent two chunks before the one just waited for.
+    constexpr std::size_t ahead = 2, in_flight = 2 * ahead + 1;
+    auto buffer = [&](std::size_t k) {
+        const auto& chunk = plan.chunks[k];
+        const auto at = memory.defined() ? chunk.local : (k % relay_scratch_chunks) * plan.largest_chunk();
+        return (memory.defined() ? memory : scratch).narrow(0, static_cast<std::int64_t>(at), static_cast<std::int64_t>(chunk.bytes));
+    };
+    std::vector<std::size_t> received(n);
+    auto receive = [&](std::size_t k) {
+        received[k] = c.launched();
+        c.launch_point_to_point(buffer(k), from, false, relay_phase(k, n, from, me, root), in_flight);
+    };
+    try {
+        for (std::size_t k = 0; k < std::min(ahead, n); ++k) receive(k);
+        for (std::size_t k = 0; k < n; ++k) {
+            c.wait_through(received[k]);
+            tell_followers(state, shm_message_kind::relay_progress, sequence, k + 1);
+            if (to >= 0) c.launch_point_to_point(buffer(k), to, true, relay_phase(k, n, me, to, root), in_flight);
+            if (k + ahead < n) receive(k + ahead);
+        }
+        c.wait_all();
+    } catch (const std::exception& e) {
+        tell_followers(state, shm_message_kind::relay_failed, sequence, 0, e.what());
+        throw;
+    }
+}
+
 // A host leader other than the root, right after the frame of a relayed batch: receives the
-// root's segments into one segment of its own pool (with no rank of its host to serve, into
-// memory of its own), hands that segment to its host and returns its own slot tensors, over a
-// private mapping like a follower's. Every announced message is received whatever happens, so
-// the group stays in step; a batch it cannot place is this host's error for this batch only
-// (`failure` here, an empty message for its followers).
+// relayed bytes (relay_chunks) into one segment of its own pool (with no rank of its host to
+// serve, into memory of its own), hands that segment to its host and returns its own slot
+// tensors, over a private mapping like a follower's. Every announced message is received (and
+// forwarded) whatever happens, so the group stays in step; a batch it cannot place is this
+// host's error for this batch only (`failure` here, an empty message for its followers).
 template <class Group>
 std::vector<at::Tensor> relay_in(collective<Group>& c, same_host_state& state, const frame_header& header,
                                  const std::vector<std::uint8_t>& body, const std::vector<slot_meta>& slots,
@@ -452,14 +583,14 @@ std::vector<at::Tensor> relay_in(collective<Group>& c, same_host_state& state, c
         read_slots(in);
         source = segment_layout::read(in, slots, header.flags & payload_checksums);
     } catch (const spbcast::error& e) {
+        tell_followers(state, shm_message_kind::relay_failed, header.sequence, 0, e.what());
         c.break_group(errc::corrupt_frame,
                       std::string(e.what()) + "; this host leader cannot tell what the root relays - restart the job",
                       "relay");
     }
-    std::vector<std::uint64_t> offsets;
-    segment_layout local = relay_layout(source, offsets);
-    const std::uint64_t total = local.segments[0].used;
-    const int root = c.opts().root;
+    const relay_plan plan(source);
+    segment_layout local = plan.local;
+    const std::uint64_t total = plan.total();
     auto& pool = shm_pool::instance();
     shm_pool::lease lease;
     at::Tensor memory;  // where the relayed bytes land; undefined: drained
@@ -489,24 +620,15 @@ std::vector<at::Tensor> relay_in(collective<Group>& c, same_host_state& state, c
     at::Tensor scratch;
     if (!memory.defined()) {
         try {
-            scratch = at::empty({static_cast<std::int64_t>(std::min(relay_chunk_bytes, total))}, at::kByte);
+            const auto slots_needed = std::min<std::size_t>(relay_scratch_chunks, plan.chunks.size());
+            scratch = at::empty({static_cast<std::int64_t>(slots_needed * plan.largest_chunk())}, at::kByte);
         } catch (const std::exception& e) {
+            tell_followers(state, shm_message_kind::relay_failed, header.sequence, 0, exception_text(e));
             c.break_group(errc::limit_exceeded, c.where() + ": cannot drain the relayed batch (" + exception_text(e) +
                                                     "); the group is out of step - restart the job", "relay");
         }
     }
-    for (std::size_t j = 0; j < source.segments.size(); ++j) {
-        const auto used = static_cast<std::int64_t>(source.segments[j].used);
-        for (std::int64_t at = 0; at < used; at += static_cast<std::int64_t>(relay_chunk_bytes)) {
-            const std::int64_t n = std::min<std::int64_t>(relay_chunk_bytes, used - at);
-            at::Tensor into = memory.defined() ? memory.narrow(0, static_cast<std::int64_t>(offsets[j]) + at, n)
-                                               : scratch.narrow(0, 0, n);
-            c.launch_point_to_point(into, root, false,
-                                    "relay from the root, segment " + std::to_string(j + 1) + "/" +
-                                        std::to_string(source.segments.size()));
-        }
-    }
-    c.wait_all();
+    relay_chunks(c, state, plan, header.sequence, memory, scratch);
     guard.armed = false;
     // Its own mapping first: handing over may forget the segment (a follower that is gone),
     // which closes the pool's descriptor.

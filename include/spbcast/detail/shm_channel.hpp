@@ -11,7 +11,9 @@
 //   the same decision - no rank ever decides by a timeout. The root confirms in one last
 //   broadcast.
 // - Messages: before the frame of a batch the root sends one message with the descriptors of
-//   every segment the batch lies in (SCM_RIGHTS), their ids and the broadcast's number; a
+//   every segment the batch lies in (SCM_RIGHTS), their ids and the broadcast's number (a host
+//   leader on another host: after the frame, once the relay is in, with a progress message per
+//   chunk before it); a
 //   follower answers "released" (or "forked") with segment ids when the last storage over them
 //   is gone. Answers never block a deleter (follower_link), the root reads them at every
 //   broadcast, and every other wait on these sockets is bounded by options.timeout.
@@ -56,7 +58,13 @@ inline constexpr std::uint32_t shm_message_magic = 0x4D485353;  // "SSHM"
 // hello: a follower's first message (its rank). segments: the descriptors of one broadcast,
 // sent before its frame. released / forked: a follower's answers, several ids each; forked
 // means a child forked since the segment was mapped may still map it (fork_safety.hpp).
-enum class shm_message_kind : std::uint32_t { hello = 1, segments = 2, released = 3, forked = 4 };
+// relay_progress: a host leader on another host has one more chunk of the broadcast `sequence`
+// (count: chunks landed so far); its followers wait for each one in turn, never for the whole
+// relay at once. relay_failed: that leader is alive but cannot finish the relay; `ids` holds
+// its error text (NUL-terminated), which its followers raise.
+enum class shm_message_kind : std::uint32_t {
+    hello = 1, segments = 2, released = 3, forked = 4, relay_progress = 5, relay_failed = 6
+};
 // The most segments one batch lies in (its own and the leader's shared allocations, see
 // shm_allocator.hpp); further shared allocations of a batch are copied into its own segment.
 inline constexpr std::size_t max_batch_segments = 32;
