@@ -11,6 +11,10 @@
 #                                          $NS_A, <addr_a>/24) and $VETH_B (in $NS_B, <addr_b>/24),
 #                                          loopback and link up; exits 77 where the kernel or
 #                                          sandbox has no namespaces or veth pairs
+#   netns_bridge <tag> <hosts> <rate>      creates namespaces $BRIDGE_NS[i] at 10.96.0.<i+1>/24,
+#                                          each joined to one bridge by a veth pair limited to
+#                                          <rate> both ways (tc tbf), device $BRIDGE_DEV[i] inside;
+#                                          exits 77 without bridges, veth pairs or tc
 # shellcheck shell=bash
 
 NETNS_SKIP=77
@@ -26,6 +30,9 @@ netns_init() {
     NS_A=
     NS_B=
     VETH_A=
+    BRIDGE=
+    BRIDGE_NS=()
+    BRIDGE_DEV=()
     trap netns_cleanup EXIT
     trap 'exit 1' INT TERM
 }
@@ -35,6 +42,8 @@ netns_cleanup() {
     [ -n "$NS_A" ] && ip netns del "$NS_A" 2> /dev/null
     [ -n "$NS_B" ] && ip netns del "$NS_B" 2> /dev/null
     [ -n "$VETH_A" ] && ip link del "$VETH_A" 2> /dev/null
+    for ns in "${BRIDGE_NS[@]}"; do ip netns del "$ns" 2> /dev/null; done
+    [ -n "$BRIDGE" ] && ip link del "$BRIDGE" 2> /dev/null
     rm -rf "$WORK"
 }
 
@@ -54,4 +63,25 @@ netns_pair() {
         fail "cannot give the veth ends their addresses"
     for ns in "$NS_A" "$NS_B"; do ip -n "$ns" link set lo up; done
     ip -n "$NS_A" link set "$VETH_A" up && ip -n "$NS_B" link set "$VETH_B" up || fail "cannot bring the link up"
+}
+
+netns_bridge() {
+    local tag=$1 hosts=$2 rate=$3 id=$$ h ns inside outside
+    command -v tc > /dev/null || skip "tc(8) from iproute2 is not installed"
+    BRIDGE="${tag}br$id"
+    ip link add "$BRIDGE" type bridge 2> "$WORK/err" || skip "no bridges here: $(cat "$WORK/err")"
+    ip link set "$BRIDGE" up
+    for h in $(seq 0 $((hosts - 1))); do
+        ns="spbcast_${tag}${h}_$id" inside="${tag}h$h$id" outside="${tag}b$h$id"
+        ip netns add "$ns" 2> "$WORK/err" || skip "cannot create a network namespace: $(cat "$WORK/err")"
+        BRIDGE_NS+=("$ns")
+        BRIDGE_DEV+=("$inside")
+        ip link add "$inside" type veth peer name "$outside" 2> "$WORK/err" || skip "no veth pairs here: $(cat "$WORK/err")"
+        ip link set "$inside" netns "$ns" && ip link set "$outside" master "$BRIDGE" up || fail "cannot join $ns to the bridge"
+        ip -n "$ns" addr add "10.96.0.$((h + 1))/24" dev "$inside" || fail "cannot address $ns"
+        ip -n "$ns" link set lo up && ip -n "$ns" link set "$inside" up || fail "cannot bring $ns's link up"
+        tc -n "$ns" qdisc add dev "$inside" root tbf rate "$rate" burst 256kb latency 100ms 2> "$WORK/err" &&
+            tc qdisc add dev "$outside" root tbf rate "$rate" burst 256kb latency 100ms 2>> "$WORK/err" ||
+            skip "tc cannot limit the link: $(cat "$WORK/err")"
+    done
 }

@@ -103,4 +103,25 @@ faults 0 "the root killed" || fail "the root killed on the hierarchical path"
 faults 2 "the other side's host leader killed" || fail "a host leader killed on the hierarchical path"
 faults 3 "a follower behind the host leader killed" || fail "a follower behind a host leader killed"
 faults link "the link cut" || fail "the link cut on the hierarchical path"
+# Three hosts of two ranks on 200 Mbit/s links with options.timeout = 4 s: 48 MiB takes longer
+# than one timeout to relay, yet arrives, since every wait covers one 4 MiB chunk; and a 2 MiB
+# view of a 48 MiB shared storage sends only its 2 MiB over each link.
+netns_bridge spl 3 200mbit
+PORT=$((PORT + 1))
+PIDS=()
+start=$(date +%s)
+for rank in 0 1 2 3 4 5; do
+    h=$((rank / 2))
+    ip netns exec "${BRIDGE_NS[$h]}" env MASTER_ADDR=10.96.0.1 MASTER_PORT=$PORT RANK=$rank WORLD_SIZE=6 \
+        LOCAL_RANK=$((rank % 2)) GLOO_SOCKET_IFNAME="${BRIDGE_DEV[$h]}" HOST_COUNTER=$((1 - rank % 2)) timeout 60 \
+        "$WORKER" slow_links $((4 << 20)) > "$WORK/rank$rank.log" 2>&1 &
+    PIDS+=($!)
+done
+status=0
+for rank in 0 1 2 3 4 5; do
+    wait "${PIDS[$rank]}" || { status=1; echo "shm_netns_test: rank $rank failed on slow links:"; }
+    sed "s/^/  rank $rank: /" "$WORK/rank$rank.log"
+done
+echo "shm_netns_test: 3 hosts x 2 ranks on 200 Mbit/s links: $(($(date +%s) - start)) s"
+[ $status = 0 ] || fail "48 MiB over 3 hosts on slow links with a 4 s timeout, or a view's bytes over the links"
 echo "shm_netns_test: PASSED"

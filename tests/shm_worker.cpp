@@ -46,6 +46,9 @@
 //       payload's bytes, the network path and automatic (hierarchical over hosts), side by side:
 //       median time and bytes over the links per batch (the namespaces' veth counters;
 //       HOST_COUNTER=1 on one rank per namespace) over the payload.
+//   spbcast_shm_worker slow_links <relay chunk bytes>
+//       for shm_netns_test.sh (3 namespaces x 2 ranks at 200 Mbit/s): 48 MiB with a 4 s timeout
+//       arrives on the hierarchical path; a 2 MiB view of a 48 MiB shared storage sends 2 MiB.
 //   spbcast_shm_worker ranks <world> <mode> <arguments...>
 //       starts <world> ranks of this program in <mode> on a store of their own (the test kit's
 //       launcher, for bench/report.py), prints rank 0's output, fails if a rank failed.
@@ -1015,6 +1018,63 @@ int hosts_bench(char** argv) {
     return 0;
 }
 
+// Hosts on slow links (shm_netns_test.sh: 3 namespaces x 2 ranks on a bridge at 200 Mbit/s):
+// six 8 MiB tensors with options.timeout = 4 s, far longer to relay than one timeout, arrive
+// intact on the hierarchical path, since every wait covers one chunk; then a 2 MiB view of a
+// 48 MiB storage the root allocated in shared memory sends only the view's bytes over each
+// namespace's link (HOST_COUNTER=1 on one rank per namespace), at most 1.05x.
+int slow_links(char** argv) {
+    const std::size_t chunk = std::stoull(argv[2]);
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(60));
+    const spbcast::options opts{.timeout = std::chrono::seconds(4), .relay_chunk_bytes = chunk};
+    std::vector<at::Tensor> batch;
+    if (env.rank == 0)
+        for (int i = 0; i < 6; ++i) batch.push_back(at::randint(0, 1 << 30, {std::int64_t{1} << 21}, at::kInt));
+    const auto start = std::chrono::steady_clock::now();
+    spbcast::broadcast(batch, group, opts);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    auto digest_all = [&](std::uint64_t mine) {
+        at::Tensor t = at::full({1}, static_cast<std::int64_t>(mine), at::kLong);
+        spbcast::broadcast(t, group, {.timeout = std::chrono::seconds(30), .transport = spbcast::transport_mode::network});
+        return static_cast<std::uint64_t>(t.item<std::int64_t>());
+    };
+    if (digest_all(spbcast::digest(batch)) != spbcast::digest(batch)) throw std::runtime_error("a batch differs from the root's");
+    auto state = path_of(group, 0);
+    if (!state || !state->relays()) throw std::runtime_error("the hierarchical path was not taken");
+    std::cout << "rank " << env.rank << ": 48 MiB over slow links in " << s << " s with timeout 4 s\n" << std::flush;
+    batch.clear();
+    barrier(group);
+
+    constexpr std::int64_t view_bytes = std::int64_t{2} << 20;
+    at::Tensor view;
+    if (env.rank == 0) {
+        spbcast::shared_memory_scope in_shared_memory;
+        at::Tensor storage = at::randint(0, 255, {std::int64_t{48} << 20}, at::kByte);
+        view = storage.narrow(0, std::int64_t{20} << 20, view_bytes);
+    }
+    barrier(group);
+    const std::int64_t before = link_bytes_sent();
+    spbcast::broadcast(view, group, opts);
+    // Counted once every rank holds the view (each has broadcast since: until then bytes may
+    // wait in the link's queue), less what that check itself sends.
+    auto check_all = [&] {
+        if (digest_all(spbcast::digest(view)) != spbcast::digest(view)) throw std::runtime_error("the view differs from the root's");
+        sum_over_ranks(group, 0);
+    };
+    check_all();
+    const std::int64_t after_view = link_bytes_sent();
+    check_all();
+    const std::int64_t sent = 2 * after_view - before - link_bytes_sent();
+    if (std::getenv("HOST_COUNTER") && std::string(std::getenv("HOST_COUNTER")) == "1") {
+        const double ratio = static_cast<double>(sent) / static_cast<double>(view_bytes);
+        std::cout << "rank " << env.rank << ": a 2 MiB view of a 48 MiB shared storage sent " << ratio
+                  << "x the view over this namespace's link\n";
+        if (ratio > 1.05) throw std::runtime_error("more than the view's bytes crossed the link");
+    }
+    barrier(group);
+    return 0;
+}
+
 // The launcher stops its ranks at this deadline (report.py waits a minute longer).
 int launch_ranks(int argc, char** argv) {
     const int world = std::stoi(argv[2]);
@@ -1047,6 +1107,7 @@ int main(int argc, char** argv) {
         if (mode == "cgroup_fallback") return cgroup_fallback(argv);
         if (mode == "group_memory") return group_memory(argv);
         if (mode == "hosts_bench" && argc == 6) return hosts_bench(argv);
+        if (mode == "slow_links" && argc == 3) return slow_links(argv);
         if (mode == "ranks" && argc >= 4) return launch_ranks(argc, argv);
         if (mode == "leader_allocates" && argc == 5) return leader_allocates(argv);
         if (mode == "fork_child" && argc == 3) return fork_child(argv);
