@@ -10,7 +10,8 @@
 # The namespaces share this machine's memory and CPUs; the byte counts show what crossed.
 #
 #   bench/hosts_bench.sh [path/to/spbcast_shm_worker]      (default: build/system/tests/)
-#   RATE=1gbit PROFILE=qwen3-vl-image MICRO=3 REPEATS=3 LAYOUTS="2x2:0 2x2:3 2x4:0 2x4:7 3x2:0"
+#   RATE=1gbit PROFILE=qwen3-vl-image MICRO=3 REPEATS=3 LAYOUTS="2x2:0 2x2:3 2x4:0 2x4:7 3x2:0 4x2:0 4x2:3"
+#   CHUNK=<bytes>: options.relay_chunk_bytes (default 4 MiB). MEMORY=0 skips the group memory.
 #
 # Needs root, ip(8) and tc(8); exits 77 where it cannot run. Cleans up after itself.
 set -uo pipefail
@@ -21,7 +22,7 @@ RATE="${RATE:-1gbit}"
 PROFILE="${PROFILE:-qwen3-vl-image}"
 MICRO="${MICRO:-3}"
 REPEATS="${REPEATS:-3}"
-LAYOUTS="${LAYOUTS:-2x2:0 2x2:3 2x4:0 2x4:7 3x2:0}"
+LAYOUTS="${LAYOUTS:-2x2:0 2x2:3 2x4:0 2x4:7 3x2:0 4x2:0 4x2:3}"
 
 skip() { echo "hosts_bench: SKIPPED: $*"; exit 77; }
 [ "$(id -u)" = 0 ] || skip "needs root to create network namespaces"
@@ -58,7 +59,9 @@ host() {  # <index>: namespace spbh<index>_<id> at 10.97.0.<index+1>, its link l
     tc -n "$ns" qdisc add dev "$inside" root tbf rate "$RATE" burst 256kb latency 100ms || skip "tc cannot limit the link"
     tc qdisc add dev "$outside" root tbf rate "$RATE" burst 256kb latency 100ms
 }
-for h in 0 1 2; do host $h; done
+most=0
+for layout in $LAYOUTS; do [ "${layout%%x*}" -gt $most ] && most=${layout%%x*}; done
+for h in $(seq 0 $((most - 1))); do host "$h"; done
 
 echo "hosts_bench: $(nproc) CPUs, links limited to $RATE, profile $PROFILE x $MICRO micro-batches, median of $REPEATS"
 PORT=29600
@@ -88,8 +91,9 @@ for layout in $LAYOUTS; do
     per_host=${rest%%:*}
     root=${layout#*:}
     label="$hosts hosts x $per_host ranks, root $root"
-    launch "$hosts" "$per_host" hosts_bench "$PROFILE" "$MICRO" "$root" "$REPEATS" | sed -n "s/^hosts_bench | /$label | /p"
+    launch "$hosts" "$per_host" hosts_bench "$PROFILE" "$MICRO" "$root" "$REPEATS" "${CHUNK:-4194304}" | sed -n "s/^hosts_bench | /$label | /p"
     # Group memory while a batch is alive, each in fresh processes (caches would hide it).
+    [ "${MEMORY:-1}" = 0 ] && continue
     for mode in "network plain" "auto plain" "auto leader_allocates"; do
         set -- $mode
         launch "$hosts" "$per_host" group_memory "$PROFILE" "$MICRO" "$1" "$2" "$root" | sed -n "s/^group memory /$label | memory /p"

@@ -41,7 +41,7 @@
 //   spbcast_shm_worker lost_link
 //       a follower's link is lost, and a follower skips a same-host broadcast (a network call):
 //       stale messages are skipped, the lost link moves every rank to the network, intact.
-//   spbcast_shm_worker hosts_bench <profile> <micro_batches> <root> <repeats>
+//   spbcast_shm_worker hosts_bench <profile> <micro_batches> <root> <repeats> [relay chunk bytes]
 //       for bench/hosts_bench.sh (ranks in network namespaces): one raw Gloo broadcast of the
 //       payload's bytes, the network path and automatic (hierarchical over hosts), side by side:
 //       median time and bytes over the links per batch (the namespaces' veth counters;
@@ -947,6 +947,7 @@ std::int64_t link_bytes_sent() {
 int hosts_bench(char** argv) {
     const auto profile = xtuner::profile_from_name(argv[2]);
     const int micro_batches = std::stoi(argv[3]), root = std::stoi(argv[4]), repeats = std::stoi(argv[5]);
+    const std::size_t chunk = argv[6] ? std::stoull(argv[6]) : spbcast::options{}.relay_chunk_bytes;
     auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(60));
     const auto payload_of = [](xtuner::Batch& b) {
         std::int64_t bytes = 0;
@@ -954,7 +955,8 @@ int hosts_bench(char** argv) {
         return bytes;
     };
     xtuner::Batch probe = env.rank == root ? xtuner::make_batch(profile, micro_batches, 1) : xtuner::Batch{};
-    spbcast::options opts{.root = root, .timeout = std::chrono::seconds(120), .transport = spbcast::transport_mode::network};
+    spbcast::options opts{.root = root, .timeout = std::chrono::seconds(120), .transport = spbcast::transport_mode::network,
+                          .relay_chunk_bytes = chunk};
     spbcast::broadcast(probe, group, opts);
     const std::int64_t payload = payload_of(probe);
     const auto want = spbcast::digest(probe);
@@ -1106,7 +1108,7 @@ int main(int argc, char** argv) {
         if (mode == "fallback") return fallback(argv);
         if (mode == "cgroup_fallback") return cgroup_fallback(argv);
         if (mode == "group_memory") return group_memory(argv);
-        if (mode == "hosts_bench" && argc == 6) return hosts_bench(argv);
+        if (mode == "hosts_bench" && (argc == 6 || argc == 7)) return hosts_bench(argv);
         if (mode == "slow_links" && argc == 3) return slow_links(argv);
         if (mode == "ranks" && argc >= 4) return launch_ranks(argc, argv);
         if (mode == "leader_allocates" && argc == 5) return leader_allocates(argv);
