@@ -10,6 +10,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <signal.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <string>
@@ -78,9 +80,22 @@ inline c10::intrusive_ptr<c10d::Store> make_store(const launch_env& env,
 // comma-separated list), else the address `hostname` resolves to when one is given, else the
 // host's own name (ProcessGroupGloo::createDefaultDevice; loopback only where the name does
 // not resolve to a usable address) - so ranks on several hosts reach each other out of the box.
+// Gloo's TCP pairs write to their sockets without MSG_NOSIGNAL in some builds (Debian's), and a
+// receiving rank writes too (it tells the sender it is ready), so a peer that dies can kill this
+// process with SIGPIPE instead of failing the collective with an error every rank can read. A
+// program that kept the default action gets SIGPIPE ignored, as every Python process has it; a
+// handler of the program's own, or an explicit SIG_IGN, is left as it is.
+inline void ignore_sigpipe_if_default() {
+    struct sigaction current {};
+    if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL &&
+        !(current.sa_flags & SA_SIGINFO))
+        ::signal(SIGPIPE, SIG_IGN);
+}
+
 inline c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo_group(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
     std::chrono::milliseconds timeout, const std::string& hostname = {}) {
+    ignore_sigpipe_if_default();
     auto options = c10d::ProcessGroupGloo::Options::create(timeout);
     const char* ifnames = std::getenv("GLOO_SOCKET_IFNAME");
     if (ifnames && *ifnames) {
