@@ -13,6 +13,11 @@ if ! has pytest; then
     echo "setup: installing pytest into $VENV"
     "$VENV/bin/pip" install -q pytest
 fi
+# hypothesis: the property-based fuzz target of the Python decoder (scripts/fuzz_python.sh).
+if ! has hypothesis; then
+    echo "setup: installing hypothesis into $VENV"
+    "$VENV/bin/pip" install -q "hypothesis==6.170.15"
+fi
 stamp="$VENV/.spbcast-python-package"
 sources=$( (find python/setup.py python/pyproject.toml python/spbcast python/csrc include/spbcast -type f \
              \( -name '*.py' -o -name '*.cpp' -o -name '*.hpp' -o -name '*.toml' \) -print0 \

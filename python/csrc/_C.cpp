@@ -38,6 +38,14 @@ namespace {
 constexpr int64_t TAG_TUPLE = 0;
 constexpr int64_t TAG_BYTES = 1;
 constexpr int64_t TAG_OBJECT = 2;
+// A str that is not valid UTF-8 (lone surrogates, as os.fsdecode gives a file name that is not
+// UTF-8): its "surrogatepass" bytes, decoded the same way on the follower.
+constexpr int64_t TAG_SURROGATE_STR = 12;
+
+// What a follower cannot read in the tree the core rebuilt; raised as spbcast.SchemaError.
+struct unreadable_value {
+    std::string what;
+};
 
 [[noreturn]] void type_error(const std::string& what) { throw py::type_error("spbcast: " + what); }
 
@@ -49,13 +57,35 @@ int64_t to_int64(py::handle h) {
     return static_cast<int64_t>(v);
 }
 
+std::string utf8_key(PyObject* key) {
+    Py_ssize_t size = 0;
+    const char* data = PyUnicode_AsUTF8AndSize(key, &size);
+    if (data == nullptr) {
+        PyErr_Clear();  // the Python encoder refuses these keys first, naming the path
+        type_error("a dict key that is not valid UTF-8 reached the C++ encoder");
+    }
+    return std::string(data, static_cast<std::size_t>(size));
+}
+
 c10::IValue to_ivalue(py::handle h) {
     if (h.is_none()) return c10::IValue();
     if (THPVariable_Check(h.ptr())) return THPVariable_Unpack(h.ptr());
     if (PyBool_Check(h.ptr())) return h.ptr() == Py_True;
     if (PyLong_CheckExact(h.ptr())) return to_int64(h);
     if (PyFloat_CheckExact(h.ptr())) return PyFloat_AS_DOUBLE(h.ptr());
-    if (PyUnicode_CheckExact(h.ptr())) return py::cast<std::string>(h);
+    if (PyUnicode_CheckExact(h.ptr())) {
+        Py_ssize_t size = 0;
+        if (const char* data = PyUnicode_AsUTF8AndSize(h.ptr(), &size))
+            return std::string(data, static_cast<std::size_t>(size));
+        PyErr_Clear();  // lone surrogates: the tagged form
+        py::object bytes = py::reinterpret_steal<py::object>(
+            PyUnicode_AsEncodedString(h.ptr(), "utf-8", "surrogatepass"));
+        if (!bytes) throw py::error_already_set();
+        char* data = nullptr;
+        PyBytes_AsStringAndSize(bytes.ptr(), &data, &size);
+        return c10::ivalue::Tuple::create(
+            {c10::IValue(TAG_SURROGATE_STR), c10::IValue(std::string(data, static_cast<std::size_t>(size)))});
+    }
     if (PyBytes_CheckExact(h.ptr())) {
         char* data = nullptr;
         Py_ssize_t size = 0;
@@ -91,7 +121,7 @@ c10::IValue to_ivalue(py::handle h) {
         while (PyDict_Next(h.ptr(), &pos, &key, &value)) {
             c10::IValue k;
             if (int_keys && PyLong_CheckExact(key)) k = to_int64(key);
-            else if (!int_keys && PyUnicode_CheckExact(key)) k = py::cast<std::string>(key);
+            else if (!int_keys && PyUnicode_CheckExact(key)) k = utf8_key(key);
             else type_error("a dict whose keys are not all str or all int reached the C++ encoder");
             dict.insert(std::move(k), to_ivalue(value));
         }
@@ -99,6 +129,16 @@ c10::IValue to_ivalue(py::handle h) {
     }
     type_error(std::string("a value of type ") + Py_TYPE(h.ptr())->tp_name +
                " reached the C++ encoder; only spbcast._wire's vocabulary may");
+}
+
+py::object utf8_str(const std::string& s, const char* errors) {
+    PyObject* text = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), errors);
+    if (text == nullptr) {
+        PyErr_Clear();
+        throw unreadable_value{std::string("a str that is not UTF-8") +
+                               (errors[0] == 's' && errors[1] == 't' ? "" : " even with surrogates")};
+    }
+    return py::reinterpret_steal<py::object>(text);
 }
 
 py::object from_ivalue(const c10::IValue& v) {
@@ -109,7 +149,7 @@ py::object from_ivalue(const c10::IValue& v) {
     if (v.isBool()) return py::bool_(v.toBool());
     if (v.isInt()) return py::int_(v.toInt());
     if (v.isDouble()) return py::float_(v.toDouble());
-    if (v.isString()) return py::str(v.toStringRef());
+    if (v.isString()) return utf8_str(v.toStringRef(), "strict");
     if (v.isList()) {
         const auto elements = v.toListRef();
         py::list out(elements.size());
@@ -128,6 +168,9 @@ py::object from_ivalue(const c10::IValue& v) {
             const auto& s = elements[1].toStringRef();
             return py::bytes(s.data(), s.size());
         }
+        if (elements.size() == 2 && elements[0].isInt() && elements[0].toInt() == TAG_SURROGATE_STR &&
+            elements[1].isString())
+            return utf8_str(elements[1].toStringRef(), "surrogatepass");
         py::tuple out(elements.size());
         for (std::size_t i = 0; i < elements.size(); ++i) out[i] = from_ivalue(elements[i]);
         return std::move(out);
@@ -241,6 +284,11 @@ py::object broadcast(py::handle group, const std::string& group_name, const wire
         return from_ivalue(iv);
     } catch (const spbcast::error& e) {
         raise_python(e);
+    } catch (const unreadable_value& e) {
+        raise_python(spbcast::schema_error("spbcast: rank " + std::to_string(pg->getRank()) +
+                                               ": the root sent " + e.what +
+                                               ", which this version of the spbcast package cannot read",
+                                           "", ""));
     }
 }
 
@@ -301,11 +349,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("TAG_TUPLE") = TAG_TUPLE;
     m.attr("TAG_BYTES") = TAG_BYTES;
     m.attr("TAG_OBJECT") = TAG_OBJECT;
+    m.attr("TAG_SURROGATE_STR") = TAG_SURROGATE_STR;
     // The core's default bounds, which the Python encoder checks first to name the Python path.
     m.attr("MAX_STRING_BYTES") = spbcast::limits{}.max_string_bytes;
     m.attr("MAX_IVALUE_DEPTH") = spbcast::limits{}.max_depth;
     py::class_<wire_value>(m, "WireValue");
     m.def("to_wire", [](py::handle tree) { return wire_value{to_ivalue(tree)}; }, py::arg("tree"));
+    // The tree a follower's decoder gets for a tree the root converted, without a group: for
+    // the fuzz target and the tests of the decoder (python/tests/test_decoder.py).
+    m.def("through_wire", [](py::handle tree) {
+        const c10::IValue v = to_ivalue(tree);
+        try {
+            return from_ivalue(v);
+        } catch (const unreadable_value& e) {
+            raise_python(spbcast::schema_error("spbcast: the root sent " + e.what, "", ""));
+        }
+    }, py::arg("tree"));
     m.def("broadcast", &broadcast, py::arg("group"), py::arg("group_name"),
           py::arg("value").none(true), py::arg("root"), py::arg("timeout_s"), py::arg("checksum"),
           py::arg("use_registry") = false, py::arg("transport") = "auto",

@@ -105,7 +105,7 @@ def _same_host_path(group, src):
 
 
 def broadcast(obj, group=None, src=0, *, timeout=None, root_wait=None, checksum=False,
-              transport="auto", _use_registry=False, _name="batch"):
+              transport="auto", _use_registry=False, _name="batch", _decode=True):
     """Sends ``obj`` from the global rank ``src`` to every rank of ``group`` and returns it.
 
     On ``src`` the very object passed is returned; on every other rank an identical copy on the
@@ -152,4 +152,6 @@ def broadcast(obj, group=None, src=0, *, timeout=None, root_wait=None, checksum=
         _core_broadcast(pg, name, wire, root, seconds, checksum, _use_registry, transport, wait)
         return obj
     envelope = _core_broadcast(pg, name, None, root, seconds, checksum, _use_registry, transport, wait)
+    if not _decode:  # the caller decodes the body (in wire form) itself: LeaderLoader's steps
+        return _wire.open_envelope(envelope, dist.get_rank(), src)
     return _wire.decode(envelope, dist.get_rank(), src, _name)

@@ -19,6 +19,9 @@ mistaken for a tag:
                                                    of an allowed class
     (TAG_NUMPY_ARRAY, dtype, [shape], tensor)    a numpy array: its bytes as a flat uint8 tensor
     (TAG_NUMPY_SCALAR, dtype, b"...")            a numpy scalar: its bytes
+    (TAG_SURROGATE_STR, b"...")                  a str that is not valid UTF-8 (lone
+                                                   surrogates): its "surrogatepass" bytes (the
+                                                   C++ side makes and reads it)
 
 The wire carries data, never code: there is no pickle. A follower rebuilds only the built-in
 kinds above and classes the program allowed with allow_classes() / allow_modules(), which every
@@ -49,6 +52,7 @@ from .errors import Error, SchemaError
 TAG_TUPLE = _C.TAG_TUPLE
 TAG_BYTES = _C.TAG_BYTES
 TAG_OBJECT = _C.TAG_OBJECT
+TAG_SURROGATE_STR = _C.TAG_SURROGATE_STR  # a str with lone surrogates (C++ side, both ways)
 # Tags only this layer reads (the C++ side carries them as plain tuples).
 TAG_SET = 3
 TAG_FROZENSET = 4
@@ -62,9 +66,9 @@ TAG_NUMPY_SCALAR = 11
 
 # The envelope around every broadcast value, so that followers know what the root sent: a value
 # or the root's error, in which version of this layer. Version 2 added the tags from TAG_SET on
-# and the allow-list.
+# and the allow-list; 3 the tagged form of a str that is not UTF-8 (TAG_SURROGATE_STR).
 MAGIC = "spbcast.py"
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 KIND_VALUE = 0
 KIND_ERROR = 1
 
@@ -101,7 +105,7 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # ---- the allow-list ---------------------------------------------------------------------------
 
 _allowed_classes = {}  # (module, qualname) -> the class allow_classes registered
-_allowed_modules = ()  # module prefixes allow_modules registered
+_allowed_modules = {}  # module prefix allow_modules registered -> whether it may be imported
 
 
 def allow_classes(*classes):
@@ -121,23 +125,47 @@ def allow_classes(*classes):
     return classes[0] if len(classes) == 1 else None
 
 
-def allow_modules(*prefixes):
+def allow_modules(*prefixes, allow_import=False):
     """Lets spbcast send and rebuild instances of every class defined in these modules and their
-    submodules ("mypkg" allows mypkg and mypkg.data.x, not mypkgx). A follower imports such a
-    module if it has not yet (and no other). Call it on every rank, as allow_classes."""
-    global _allowed_modules
+    submodules ("mypkg" allows mypkg and mypkg.data.x, not mypkgx). Call it on every rank, as
+    allow_classes.
+
+    A follower rebuilds such a class only from a module its own program has already imported
+    (as it has where the datasets are built on every rank): a root never makes it run a
+    module's code. With ``allow_import=True`` a follower also imports a module it lacks - only
+    a real module under these prefixes, named by its canonical dotted name (no ``__main__`` or
+    ``__init__`` segment), whose top-level code then runs on that follower."""
     names = []
     for p in prefixes:
         name = p.__name__ if isinstance(p, types.ModuleType) else p
-        if type(name) is not str or not all(_NAME.fullmatch(s) for s in name.split(".")):
+        if type(name) is not str or _module_name_problem(name) is not None:
             raise Error(f"spbcast.allow_modules: {p!r} is not a module name (e.g. \"mypkg\" or "
                         "\"mypkg.data\")", "invalid_argument")
         names.append(name)
-    _allowed_modules = tuple(dict.fromkeys(_allowed_modules + tuple(names)))
+    for name in names:
+        _allowed_modules[name] = _allowed_modules.get(name, False) or bool(allow_import)
 
 
-def _module_allowed(module):
-    return any(module == p or module.startswith(p + ".") for p in _allowed_modules)
+def _module_name_problem(module):
+    """Why `module` is not a canonical absolute dotted module name, or None. __main__ (the
+    program's own script, always imported) is the one dunder name allowed."""
+    if module == "__main__":
+        return None
+    for segment in module.split("."):
+        if not _NAME.fullmatch(segment):
+            return "an empty, relative or invalid segment"
+        if segment.startswith("__") and segment.endswith("__"):
+            return f"the segment {segment}"
+    return None
+
+
+def _module_rule(module):
+    """None when no allow_modules prefix covers `module`, else whether it may be imported."""
+    found = None
+    for p, may_import in _allowed_modules.items():
+        if module == p or module.startswith(p + "."):
+            found = found or may_import
+    return found
 
 
 def _allow_hint(module, qualname):
@@ -145,39 +173,46 @@ def _allow_hint(module, qualname):
             f"{module.split('.')[0]!r})) on every rank, e.g. where the class is defined")
 
 
-def _resolve_class(module, qualname):
-    mod = sys.modules.get(module)
-    if mod is None:
-        mod = importlib.import_module(module)
-    obj = mod
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 class _NotAllowed(Exception):
-    pass
+    """A class name the program did not allow; the message (if any) says what to do."""
 
 
 def _allowed_class(module, qualname):
     """The class allowed under this name. Raises _NotAllowed (before any import) when neither
-    allow_classes nor allow_modules allowed it, any other exception when an allowed module
-    cannot give it."""
+    allow_classes nor allow_modules allowed it or the name is refused, any other exception when
+    an allowed module cannot give it."""
     cls = _allowed_classes.get((module, qualname))
     if cls is not None:
         return cls
-    if not _module_allowed(module):
+    rule = _module_rule(module)
+    if rule is None:
         raise _NotAllowed()
-    # The module is allowed: import it if needed, then walk the qualified name, refusing dunder
-    # steps (__builtins__, __class__, ...) and anything that is not this module's own class.
+    problem = _module_name_problem(module)
+    if problem is not None:
+        raise _NotAllowed(f"a module name with {problem}, which spbcast never looks up; a class "
+                          "travels under its module's canonical dotted name")
     parts = qualname.split(".")
     if not all(_NAME.fullmatch(p) and not p.startswith("__") for p in parts):
-        raise LookupError(f"{qualname!r} is not the qualified name of a class")
-    cls = _resolve_class(module, qualname)
-    if not isinstance(cls, type) or cls.__module__ != module or cls.__qualname__ != qualname:
+        raise _NotAllowed(f"{qualname!r} is not the qualified name of a class")
+    mod = sys.modules.get(module)
+    if mod is None:
+        if not rule:
+            raise _NotAllowed(
+                f"its module {module} is not imported on this rank, and spbcast imports nothing "
+                f"a root names unless told to; import {module} on every rank (where the datasets "
+                f"are built), or let followers import it: spbcast.allow_modules("
+                f"{module.split('.')[0]!r}, allow_import=True)")
+        mod = importlib.import_module(module)
+    if getattr(mod, "__name__", None) != module:
+        raise _NotAllowed(f"{module} resolves to another module ({getattr(mod, '__name__', mod)!r}) "
+                          "on this rank; a class travels under its module's canonical name")
+    obj = mod
+    for part in parts:
+        obj = getattr(obj, part)
+    if not isinstance(obj, type) or obj.__module__ != module or obj.__qualname__ != qualname:
         raise LookupError(f"{module}.{qualname} is not a class defined in {module} (it names "
-                          f"{cls!r})")
-    return cls
+                          f"{obj!r})")
+    return obj
 
 
 # ---- paths ------------------------------------------------------------------------------------
@@ -225,6 +260,20 @@ def _set_key(v):
     return None
 
 
+def _utf8_size(text):
+    # Lone surrogates (os.fsdecode of a name that is not UTF-8) travel as the 3 bytes
+    # "surrogatepass" gives them.
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _is_utf8(text):
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _is_namedtuple(cls):
     return issubclass(cls, tuple) and type(getattr(cls, "_fields", None)) is tuple
 
@@ -247,8 +296,8 @@ class _Encoder:
         if value is None or t is bool or t is float:
             return value
         if t is str:
-            if len(value) > MAX_STRING_BYTES // 4 and len(value.encode()) > MAX_STRING_BYTES:
-                self.fail(path, f"a str of {len(value.encode())} bytes, over spbcast's limit of "
+            if len(value) > MAX_STRING_BYTES // 4 and _utf8_size(value) > MAX_STRING_BYTES:
+                self.fail(path, f"a str of {_utf8_size(value)} bytes, over spbcast's limit of "
                                 f"{MAX_STRING_BYTES} per string; send large data as a uint8 tensor")
             return value
         if t is int:
@@ -324,6 +373,10 @@ class _Encoder:
                 self.fail(path, "a dict that mixes str and int keys; use one key type per dict")
             if kt is int and not _INT64_MIN <= k <= _INT64_MAX:
                 self.fail(path, f"the dict key {k} does not fit in 64 bits")
+            if kt is str and not k.isascii() and not _is_utf8(k):
+                self.fail(path, f"the dict key {k!r}, a str that is not valid UTF-8 (lone "
+                                "surrogates); spbcast sends such strs as values, not as keys: "
+                                "send the key os.fsencode()d or as bytes")
             out[k] = self.encode(v, (path, (k,)), depth)
         return out
 
@@ -417,9 +470,10 @@ class _Encoder:
         module, qualname = cls.__module__, cls.__qualname__
         try:
             found = _allowed_class(module, qualname)
-        except _NotAllowed:
-            self.fail(path, f"{what} {module}.{qualname}, a class spbcast rebuilds only when the "
-                            f"program allows it; {_allow_hint(module, qualname)}")
+        except _NotAllowed as e:
+            self.fail(path, f"{what} {module}.{qualname}, " + (str(e) or (
+                "a class spbcast rebuilds only when the program allows it; "
+                + _allow_hint(module, qualname))))
         except Exception as e:  # noqa: BLE001 - any failure means: not found again
             found = e
         if found is not cls:
@@ -556,52 +610,60 @@ class _Decoder:
         self.rank = rank
         self.classes = {}  # (module, qualname, kind) -> class, resolved once per broadcast
         self.arrays = {}  # (id(tensor), dtype, shape) -> numpy array: an array sent once is one
-        self.handlers = {TAG_TUPLE: self.tuple_, TAG_OBJECT: self.object_, TAG_SET: self.set_,
+        self.handlers = {TAG_OBJECT: self.object_, TAG_SET: self.set_,
                          TAG_FROZENSET: self.set_, TAG_ENUM: self.enum_,
                          TAG_NAMEDTUPLE: self.namedtuple_, TAG_SIZE: self.size_,
                          TAG_ORDERED_DICT: self.dict_kind_, TAG_DEFAULTDICT: self.dict_kind_,
                          TAG_NUMPY_ARRAY: self.ndarray_, TAG_NUMPY_SCALAR: self.npscalar_}
 
-    def decode(self, value):
+    def decode(self, value, depth=0):
+        # One Python frame per level of nesting, and the encoder's count of levels (MAX_DEPTH,
+        # an object or other tagged kind counting twice), so whatever the core passes either
+        # decodes or is refused here - never a RecursionError.
         t = type(value)
+        if t is not list and t is not dict and t is not tuple:
+            return value
+        if depth >= MAX_DEPTH:
+            raise _corrupt(f"containers nested deeper than {MAX_DEPTH} levels")
         if t is list:
             i = 0
             try:
                 for i, v in enumerate(value):
-                    value[i] = self.decode(v)
+                    value[i] = self.decode(v, depth + 1)
             except _Refused as e:
                 e.segments.append(i)
                 raise
             return value
         if t is dict:
-            k = None
-            try:
-                for k, v in value.items():
-                    value[k] = self.decode(v)
-            except _Refused as e:
-                e.segments.append((k,))
-                raise
-            return value
-        if t is tuple:
-            tag = value[0] if value and type(value[0]) is int else None
-            handler = self.handlers.get(tag)
-            if handler is None:
-                raise _corrupt(f"a tuple with the tag {tag!r}")
-            return handler(value)
+            return self.entries(value, depth + 1)
+        tag = value[0] if value and type(value[0]) is int else None
+        if tag == TAG_TUPLE:
+            return tuple(self.elements(value[1:], depth + 1))
+        handler = self.handlers.get(tag)
+        if handler is None:
+            raise _corrupt(f"a tuple with the tag {tag!r}")
+        return handler(value, depth + 2)
+
+    def entries(self, value, depth):
+        """A dict's values decoded in place, at `depth`."""
+        k = None
+        try:
+            for k, v in value.items():
+                value[k] = self.decode(v, depth)
+        except _Refused as e:
+            e.segments.append((k,))
+            raise
         return value
 
-    def elements(self, values, segment=lambda i: i):
+    def elements(self, values, depth, segment=lambda i: i):
         out = []
         try:
             for v in values:
-                out.append(self.decode(v))
+                out.append(self.decode(v, depth))
         except _Refused as e:
             e.segments.append(segment(len(out)))
             raise
         return out
-
-    def tuple_(self, value):
-        return tuple(self.elements(value[1:]))
 
     def cls(self, module, qualname, what, check):
         """The allowed class the root named, checked to be of the kind `check` accepts; refused
@@ -613,10 +675,10 @@ class _Decoder:
         name = f"{module}.{qualname}"
         try:
             cls = _allowed_class(module, qualname)
-        except _NotAllowed:
-            raise _Refused(f"the root sent {what} {name}, a class this rank rebuilds only when the "
-                           f"program allows it; {_allow_hint(module, qualname)}",
-                           "schema_mismatch", name) from None
+        except _NotAllowed as e:
+            why = str(e) or ("a class this rank rebuilds only when the program allows it; "
+                             + _allow_hint(module, qualname))
+            raise _Refused(f"the root sent {what} {name}, {why}", "schema_mismatch", name) from None
         except Exception as e:  # noqa: BLE001 - an allowed module that cannot give the class
             raise _Refused(f"the root sent {what} {name}, which this rank cannot import: "
                            f"{type(e).__name__}: {e}", "schema_mismatch", name) from e
@@ -627,7 +689,7 @@ class _Decoder:
         self.classes[key] = cls
         return cls
 
-    def object_(self, value):
+    def object_(self, value, depth):
         if not (len(value) == 4 and type(value[1]) is str and type(value[2]) is str
                 and _is_str_dict(value[3])):
             raise _corrupt("a malformed object")
@@ -639,7 +701,7 @@ class _Decoder:
         k = None
         try:
             for k, v in fields.items():
-                values[k] = self.decode(v)
+                values[k] = self.decode(v, depth)
         except _Refused as e:
             e.segments.append("." + k)
             raise
@@ -658,16 +720,16 @@ class _Decoder:
                 object.__setattr__(obj, k, v)
         return obj
 
-    def set_(self, value):
+    def set_(self, value, depth):
         if len(value) != 2 or type(value[1]) is not list:
             raise _corrupt("a malformed set")
-        elements = self.elements(value[1], lambda i: f"{{{i}}}")
+        elements = self.elements(value[1], depth, lambda i: f"{{{i}}}")
         try:
             return set(elements) if value[0] == TAG_SET else frozenset(elements)
         except TypeError:  # an unhashable element: no root of this version sends one
             raise _corrupt("a set holding an unhashable value") from None
 
-    def enum_(self, value):
+    def enum_(self, value, depth):
         if not (len(value) in (4, 5) and type(value[1]) is str and type(value[2]) is str):
             raise _corrupt("a malformed enum member")
         cls = self.cls(value[1], value[2], "a member of the enum",
@@ -688,7 +750,7 @@ class _Decoder:
                                "schema_mismatch", f"{value[1]}.{value[2]}") from e
         raise _corrupt("a malformed enum member")
 
-    def namedtuple_(self, value):
+    def namedtuple_(self, value, depth):
         if not (len(value) == 4 and type(value[1]) is str and type(value[2]) is str
                 and type(value[3]) is list):
             raise _corrupt("a malformed named tuple")
@@ -698,18 +760,18 @@ class _Decoder:
                            f"{value[2]}, which has {len(cls._fields)} on this rank",
                            "schema_mismatch", f"{value[1]}.{value[2]}")
         fields = cls._fields
-        return tuple.__new__(cls, self.elements(value[3], lambda i: "." + fields[i]))
+        return tuple.__new__(cls, self.elements(value[3], depth, lambda i: "." + fields[i]))
 
-    def size_(self, value):
+    def size_(self, value, depth):
         if len(value) != 2 or type(value[1]) is not list or any(type(d) is not int for d in value[1]):
             raise _corrupt("a malformed torch.Size")
         return torch.Size(value[1])
 
-    def dict_kind_(self, value):
+    def dict_kind_(self, value, depth):
         if value[0] == TAG_ORDERED_DICT:
             if len(value) != 2 or type(value[1]) is not dict:
                 raise _corrupt("a malformed OrderedDict")
-            return collections.OrderedDict(self.decode(value[1]))
+            return collections.OrderedDict(self.entries(value[1], depth))
         if len(value) != 3 or type(value[2]) is not dict:
             raise _corrupt("a malformed defaultdict")
         spec = value[1]
@@ -724,7 +786,7 @@ class _Decoder:
                                lambda c: True)
         else:
             raise _corrupt("a malformed defaultdict")
-        return collections.defaultdict(factory, self.decode(value[2]))
+        return collections.defaultdict(factory, self.entries(value[2], depth))
 
     def numpy(self):
         # Imported only when the root sent a numpy value: numpy stays optional.
@@ -736,14 +798,21 @@ class _Decoder:
         return numpy
 
     def dtype(self, np, text):
-        dt = np.dtype(text) if type(text) is str and _NUMPY_DTYPE.fullmatch(text) else None
-        if dt is None or dt.kind not in _NUMPY_KINDS or dt.hasobject or dt.fields is not None:
+        dt = None
+        if type(text) is str and _NUMPY_DTYPE.fullmatch(text):
+            try:
+                dt = np.dtype(text)
+            except (TypeError, ValueError):  # "<i3", "<M8[abc]": the pattern, not a dtype
+                pass
+        # A zero-sized element ("|S0") is one byte an element in numpy: bytes nobody sent.
+        if (dt is None or dt.kind not in _NUMPY_KINDS or dt.hasobject or dt.fields is not None
+                or dt.subdtype is not None or dt.itemsize == 0):
             raise _corrupt(f"a numpy dtype {text!r}")
         return dt
 
-    def ndarray_(self, value):
+    def ndarray_(self, value, depth):
         if not (len(value) == 4 and type(value[2]) is list and type(value[3]) is torch.Tensor
-                and all(type(d) is int and d >= 0 for d in value[2])):
+                and len(value[2]) <= 64 and all(type(d) is int and d >= 0 for d in value[2])):
             raise _corrupt("a malformed numpy array")
         np = self.numpy()
         dt = self.dtype(np, value[1])
@@ -755,10 +824,16 @@ class _Decoder:
         count = 1
         for d in shape:
             count *= d
-        if (tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous()
+        if (tensor.layout != torch.strided or tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous()
                 or tensor.numel() != count * dt.itemsize):
             raise _corrupt("a numpy array whose bytes do not match its dtype and shape")
         if tensor.numel() == 0:
+            # Empty: the other dimensions still multiply into numpy's size, which must fit.
+            cells = dt.itemsize
+            for d in shape:
+                cells *= max(d, 1)
+            if cells >= 1 << 62 or len(shape) > 64:
+                raise _corrupt("an empty numpy array whose shape numpy cannot hold")
             array = np.zeros(shape, dt)
         else:
             # A view of the received bytes (which the array keeps alive), not a copy.
@@ -766,7 +841,7 @@ class _Decoder:
         self.arrays[key] = array  # the tree holds the tensor: its id stays its own
         return array
 
-    def npscalar_(self, value):
+    def npscalar_(self, value, depth):
         if len(value) != 3 or type(value[2]) is not bytes:
             raise _corrupt("a malformed numpy scalar")
         np = self.numpy()
@@ -786,29 +861,54 @@ class _Decoder:
         return np.frombuffer(data, dt)[0]
 
 
-def decode(envelope, rank, root_rank, name="batch"):
-    """The root's value from its envelope, or the root's error raised as spbcast.RemoteError;
-    a value this rank will not rebuild raises spbcast.SchemaError naming its path."""
+def open_envelope(envelope, rank, root_rank):
+    """The body of a value envelope, still in wire form; the root's error raised as
+    spbcast.RemoteError; anything else raises spbcast.SchemaError."""
     from .errors import RemoteError
 
-    if (type(envelope) is not tuple or len(envelope) < 4 or envelope[0] != MAGIC):
+    if not (type(envelope) is tuple and len(envelope) >= 3 and type(envelope[0]) is str
+            and envelope[0] == MAGIC):
         raise SchemaError(f"spbcast: rank {rank}: the root did not send a value of the spbcast "
                           "Python package (is the root calling spbcast.broadcast from Python?)",
                           "schema_mismatch")
-    if envelope[1] != WIRE_VERSION:
+    version = envelope[1]
+    if type(version) is not int or version != WIRE_VERSION:
+        shown = version if type(version) is int else "(not a number)"
         raise SchemaError(f"spbcast: rank {rank}: the root's spbcast Python package writes wire "
-                          f"version {envelope[1]}, this rank reads version {WIRE_VERSION}; install "
+                          f"version {shown}, this rank reads version {WIRE_VERSION}; install "
                           "the same spbcast on every rank", "version_mismatch",
-                          str(WIRE_VERSION), str(envelope[1]))
-    if envelope[2] == KIND_ERROR:
-        message, _code = envelope[3], envelope[4]
+                          str(WIRE_VERSION), str(shown))
+    kind = envelope[2]
+    if type(kind) is int and kind == KIND_ERROR and len(envelope) == 5 \
+            and type(envelope[3]) is str and type(envelope[4]) is str:
+        message = envelope[3]
         raise RemoteError(f"spbcast: rank {rank}: the root (rank {root_rank}) failed before "
                           f"sending: {message}", "remote", root_rank, message)
+    if not (type(kind) is int and kind == KIND_VALUE and len(envelope) == 4):
+        raise SchemaError(f"spbcast: rank {rank}: the root sent a malformed spbcast envelope, "
+                          "which this version of the spbcast package cannot read (is the same "
+                          "spbcast installed on every rank?)", "corrupt_frame")
+    return envelope[3]
+
+
+def decode_body(body, rank, name="batch"):
+    """A body in wire form rebuilt; a value this rank will not rebuild raises
+    spbcast.SchemaError naming its path, which starts with `name`."""
     try:
-        return _Decoder(rank).decode(envelope[3])
+        return _Decoder(rank).decode(body)
     except _Refused as e:
         path = (None, name)
         for segment in reversed(e.segments):
             path = (path, segment)
         raise SchemaError(f"spbcast: rank {rank}: cannot rebuild {_path_text(path)}: {e.message}",
                           e.code, "", e.root_schema) from e.__cause__
+    except RecursionError:  # a caller's own deep stack: the value itself is within MAX_DEPTH
+        raise SchemaError(f"spbcast: rank {rank}: cannot rebuild {name}: its nesting exceeds this "
+                          "thread's Python recursion limit (sys.setrecursionlimit)",
+                          "limit_exceeded") from None
+
+
+def decode(envelope, rank, root_rank, name="batch"):
+    """The root's value from its envelope, or the root's error raised as spbcast.RemoteError;
+    a value this rank will not rebuild raises spbcast.SchemaError naming its path."""
+    return decode_body(open_envelope(envelope, rank, root_rank), rank, name)

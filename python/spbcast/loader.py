@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from ._broadcast import _TRANSPORTS, _group_and_root, _keep_alive, _same_host_path, _seconds, broadcast
 from ._shared_memory import shared_memory
-from .errors import Error
+from ._wire import decode_body
+from .errors import Error, RemoteError, TransportError
 
 _MT_N = 624  # words per Mersenne Twister block
 # The largest advance one loader call may make (64 Mi words: 256 MiB of random floats); beyond
@@ -88,6 +89,26 @@ def _count_words(before, after):
         if step == 1 and total > 4 * _MT_N:  # without the layout, only short advances
             break
     return None
+
+
+class _Steps:
+    """A LeaderLoader's iterator. An error (a fetch that raised, a batch refused) does not end
+    it, as it does not end a DataLoader's: a trainer that catches it calls next() again."""
+
+    def __init__(self, loader):
+        self._loader, self._done = loader, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        done, batch = self._loader._next()
+        if done:
+            self._done = True
+            raise StopIteration
+        return batch
 
 
 class LeaderLoader:
@@ -282,11 +303,7 @@ class LeaderLoader:
             if not self._resumed and (self._iter is not None or self._in_epoch > 0):
                 self._iter, self._in_epoch, self._skip = None, 0, 0
             self._finished = False
-        while True:
-            done, batch = self._next()
-            if done:
-                return
-            yield batch
+        return _Steps(self)
 
     def set_epoch(self, epoch):
         """The host trainer's set_epoch: the epoch of the next pass (and the ``epoch`` attribute).
@@ -395,18 +412,60 @@ class LeaderLoader:
                 envelope["error"] = f"{type(e).__name__}: {e}"
             envelope["words"] = words[0]
             envelope["epoch"], envelope["step"] = self.epoch, self.step
-        # A batch the core refuses raises here on every rank (RemoteError on followers).
-        received = broadcast(envelope, self.group, self._leader, timeout=self.timeout,
-                             transport=self.transport, _name=f"step[{envelope['step']}]")
-        if self.is_leader:
-            received = envelope
+        received = self._send_step(envelope)
+        if not self.is_leader:
+            # Before anything can fail: the leader's draws and counters, whatever the step's
+            # outcome (a fetch that raised, a batch refused), so the mirror survives the error.
+            self._replay(received["words"])
+            self.epoch, self.step = received["epoch"], received["step"]
         if received["error"] is not None:
             raise Error(self._where() + f": the SP leader (rank {self._leader}) failed fetching "
                         f"step {received['step'] + 1}: {received['error']}", "loader")
-        if not self.is_leader:
-            self._replay(received["words"])
-            self.epoch, self.step = received["epoch"], received["step"]
-        return received["done"], received["batch"]
+        if self.is_leader:
+            return received["done"], received["batch"]
+        return received["done"], decode_body(received["batch"], self.rank,
+                                             f'step[{received["step"]}]["batch"]')
+
+    def _send_step(self, envelope):
+        """The step's envelope on every rank (the leader's own; on followers the body with the
+        batch still in wire form, its metadata checked). A batch the root refuses (spbcast cannot
+        send it) is followed by the same envelope without the batch, with the refusal as its
+        error: the step's draws and counters reach every rank. A refused batch counts as a step
+        (the loader produced it): a trainer that skips it goes on at the same step everywhere."""
+        name = f"step[{envelope['step']}]"
+        kw = dict(timeout=self.timeout, transport=self.transport)
+        try:
+            received = broadcast(envelope, self.group, self._leader, _name=name, _decode=False, **kw)
+        except TransportError:
+            raise
+        except RemoteError as e:  # followers: the leader refused its batch; its step follows
+            if self.is_leader:
+                raise
+            refused = e
+        except Error as e:  # the leader: its batch refused by spbcast (followers got RemoteError)
+            if not self.is_leader:
+                raise
+            refused = e
+        else:
+            if self.is_leader:
+                return envelope
+            return self._checked_step(received)
+        if self.is_leader:
+            envelope = dict(envelope, batch=None, done=False, error=str(refused))
+            broadcast(envelope, self.group, self._leader, _name=name + " (refused)", **kw)
+            return envelope
+        received = broadcast(None, self.group, self._leader, _name=name + " (refused)", _decode=False, **kw)
+        return self._checked_step(received)
+
+    def _checked_step(self, body):
+        if not (type(body) is dict and set(body) == {"error", "epoch", "step", "words", "done", "batch"}
+                and (body["error"] is None or type(body["error"]) is str)
+                and type(body["epoch"]) is int and type(body["step"]) is int
+                and type(body["done"]) is bool):
+            raise Error(self._where() + f": the SP leader (rank {self._leader}) sent a step that is "
+                        "not a LeaderLoader envelope (is the same spbcast installed on every rank?)",
+                        "corrupt_frame")
+        return body
 
     def _still_working(self):
         # Only around the leader's work inside the step protocol (building the loader, fetching
@@ -467,11 +526,18 @@ class LeaderLoader:
 
     def _counted(self, words, doing, fn, *args):
         """fn(*args), adding the default generator words it draws to words[0] (None: dedup is
-        off, nothing to count)."""
+        off, nothing to count) - also when fn raises: in BASE a failing call draws as well."""
         if words is None:
             return fn(*args)
         before = torch.get_rng_state()
-        out = fn(*args)
+        try:
+            out = fn(*args)
+        except Exception as e:
+            try:
+                words[0] += self._words(before, doing)
+            except Error as mirror:
+                raise Error(f"{mirror} (after it raised {type(e).__name__}: {e})", "loader") from e
+            raise
         words[0] += self._words(before, doing)
         return out
 

@@ -177,7 +177,14 @@ def _allow_list(rank, world, victim):
     if rank:
         import batches
         assert type(got[0]) is batches.Plain and got[0].x == 1 and type(got[1]) is batches.Outer.Inner
+    # Allowed but not imported: refused with what to do, nothing imported; with the opt-in
+    # the follower imports it. Never a dunder module (mypkg.__main__ would run its code).
     spbcast.allow_modules("spbcast_canary")
+    _refused(rank, _obj("spbcast_canary", "Canary"), "is not imported on this rank",
+             "spbcast.allow_modules('spbcast_canary', allow_import=True)")
+    assert "spbcast_canary" not in sys.modules
+    spbcast.allow_modules("spbcast_canary", allow_import=True)
+    _refused(rank, _obj("spbcast_canary.__main__", "Canary"), "the segment __main__")
     got = _send_raw(rank, _obj("spbcast_canary", "Canary", {"v": 2}))
     if rank:
         assert "spbcast_canary" in sys.modules and type(got).__name__ == "Canary" and got.v == 2

@@ -1,0 +1,81 @@
+"""LeaderLoader when a step fails - the leader's fetch raises, or yields a batch spbcast refuses -
+and the trainer catches the error and goes on: every rank's default CPU generator stays BASE's
+(every rank running its own loader, failing the same way) at every later step, and every rank's
+step and epoch agree (a refused batch counts as a step, a fetch that raised does not)."""
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import spbcast
+from dist_harness import run
+
+RAISES, REFUSED, N, EPOCHS = 5, 9, 12, 2
+
+
+class Flaky(Dataset):
+    """Draws from the default generator per sample (num_workers=0: the main process's), then
+    raises on one sample and returns a value spbcast refuses (a set of complex) on another."""
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        x = torch.rand(3 + i % 2)
+        if i == RAISES:
+            raise ValueError("bad sample")
+        if i == REFUSED:
+            return {"x": x, "bad": {1j}}
+        return {"x": x, "i": i}
+
+
+def first(items):
+    return items[0]
+
+
+def make(workers):
+    kw = dict(num_workers=workers, persistent_workers=workers > 0)
+    if workers:
+        kw["multiprocessing_context"] = "fork"
+    return lambda: DataLoader(Flaky(), batch_size=1, collate_fn=first, **kw)
+
+
+def _skip_errors(it, ll=None):
+    """A trainer that skips a failed step: (what, generator after it, step, epoch) per step."""
+    out = []
+    while True:
+        try:
+            batch = next(it)
+            what = "refused" if "bad" in batch else int(batch["i"])
+        except StopIteration:
+            return out
+        except spbcast.Error as e:
+            what = "refused" if "cannot send" in str(e) else "raised"
+        except ValueError:  # BASE: the dataset's own error
+            what = "raised"
+        out.append((what, torch.get_rng_state(), ll and ll.step, ll and ll.epoch))
+        torch.rand(2)  # the model step's own draws
+
+
+def _mirror(rank, world, workers):
+    torch.manual_seed(11)
+    loader = make(workers)()
+    base = []
+    for _ in range(EPOCHS):
+        base += _skip_errors(iter(loader))
+    torch.manual_seed(11)
+    ll = spbcast.LeaderLoader(make(workers), None, sp_media_dedup=True, total_epoch=EPOCHS)
+    got = _skip_errors(iter(ll), ll)
+    assert [g[0] for g in got] == [b[0] for b in base], [g[0] for g in got]
+    step = 0
+    for i, (b, g) in enumerate(zip(base, got)):
+        assert torch.equal(b[1], g[1]), f"entry {i} ({g[0]}): default generator differs from BASE"
+        step += g[0] != "raised"
+        assert (g[2], g[3]) == (step, i // N), f"entry {i}: step, epoch {g[2:]}"
+    assert ll.step == EPOCHS * (N - 1) and ll.epoch == EPOCHS
+    assert spbcast.broadcast("ok" if rank == 0 else None) == "ok"  # the group is in step
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["0 workers", "2 persistent workers"])
+def test_generator_mirror_survives_errors(workers):
+    run(2 if workers else 3, _mirror, workers, timeout=150)
