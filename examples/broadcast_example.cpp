@@ -1,4 +1,4 @@
-// The motivating example of the README: three local ranks of an SP group, only rank 0 has the
+// The motivating example (docs/broadcast.md): three local ranks of an SP group, only rank 0 has the
 // collated batch; after spbcast::broadcast every rank holds the same one.
 #include "profiles.hpp"
 

@@ -73,7 +73,7 @@ void decode(const spbcast::detail::frame_header& header, const std::vector<std::
             read_trailer(header, trailer_from(header, payload, payload_size), "fuzz", 0);
             return;
         }
-        frame.plan.allocate();
+        frame.plan.allocate(spbcast::detail::receive_cache::instance());
         std::size_t used = 0;
         for (std::uint32_t i = 0; i < slots.size(); ++i) {
             at::Tensor buffer = frame.plan.slot_receive_tensor(i);

@@ -1,7 +1,7 @@
 // Each build says which LibTorch it compiled and linked against, and fails if the two differ
 // (two LibTorch generations can sit on one machine; a wrong include or rpath would otherwise go
 // unnoticed).
-#include <spbcast/detail/version.hpp>
+#include <spbcast/detail/base/version.hpp>
 
 #include <c10/core/CPUAllocator.h>
 #include <doctest/doctest.h>

@@ -3,7 +3,7 @@
 #include "support/counting_group.hpp"
 #include "support/roundtrip.hpp"
 
-#include <spbcast/detail/dtype.hpp>
+#include <spbcast/detail/wire/dtype.hpp>
 
 using namespace spbcast_test;
 

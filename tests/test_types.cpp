@@ -222,7 +222,7 @@ TEST_CASE("every type has one kind, the first in priority order whose traits mat
 
 namespace user {
 
-// The README's Grid: no default constructor, rebuilt only through its constructor.
+// docs/broadcast.md's Grid: no default constructor, rebuilt only through its constructor.
 class FixedGrid {
 public:
     FixedGrid(int64_t rows, int64_t cols) : rows_(rows), cols_(cols), cells_(at::arange(rows * cols).view({rows, cols})) {}

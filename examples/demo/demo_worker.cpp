@@ -13,7 +13,7 @@
 #include "loader.hpp"
 #include "pss.hpp"
 
-#include <spbcast/detail/version.hpp>
+#include <spbcast/detail/base/version.hpp>
 #include <spbcast/digest.hpp>
 #include <spbcast/dist.hpp>
 #include <spbcast/loader.hpp>

@@ -5,16 +5,16 @@
 // tensors de-duplicated by TensorImpl and grouped by storage, and sends one metadata frame
 // followed by the payload in transfer slots. Followers validate the frame against their own
 // schema and limits, receive the payload straight into the storages they allocate, and rebuild
-// the value. Any failure is a spbcast::error on every rank, never a hang (README: "Errors and
+// the value. Any failure is a spbcast::error on every rank, never a hang (docs/errors.md: "Errors and
 // failure behaviour"; docs/wire-format.md for the frame).
 #pragma once
 
 #include "codec.hpp"
-#include "detail/collective.hpp"
-#include "detail/group_state.hpp"
-#include "detail/receive.hpp"
-#include "detail/send.hpp"
-#include "detail/shm_channel.hpp"
+#include "detail/transport/collective.hpp"
+#include "detail/transport/group_state.hpp"
+#include "detail/orchestration/receive.hpp"
+#include "detail/orchestration/send.hpp"
+#include "detail/transport/shm_channel.hpp"
 #include "error.hpp"
 #include "group.hpp"
 #include "options.hpp"

@@ -5,10 +5,10 @@
 // without sending the batch again.
 #pragma once
 
-#include "detail/bit_views.hpp"
-#include "detail/bytes.hpp"
-#include "detail/send_plan.hpp"
-#include "detail/value_codec.hpp"
+#include "detail/wire/bit_views.hpp"
+#include "detail/wire/bytes.hpp"
+#include "detail/wire/send_plan.hpp"
+#include "detail/wire/value_codec.hpp"
 #include "options.hpp"
 #include "schema.hpp"
 

@@ -7,7 +7,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
-#include "detail/group_state.hpp"
+#include "detail/transport/group_state.hpp"
 
 #include <concepts>
 #include <memory>

@@ -18,7 +18,7 @@
 #pragma once
 
 #include "broadcast.hpp"
-#include "detail/keep_alive.hpp"
+#include "detail/orchestration/keep_alive.hpp"
 #include "error.hpp"
 #include "rng_mirror.hpp"
 #include "shared_memory.hpp"
@@ -44,7 +44,7 @@ struct loader_config {
     // batch is not a failure: it tells the followers it is still working (keep_alive.hpp), and
     // they wait for it as a BASE rank waits for its own loader.
     std::chrono::milliseconds timeout = std::chrono::minutes(5);
-    // How batches travel: the same-host path where the SP group shares a host (README).
+    // How batches travel: the same-host path where the SP group shares a host (docs/transports.md).
     transport_mode transport = transport_mode::automatic;
     // On the same-host path the leader fetches each batch inside a spbcast::shared_memory_scope,
     // so the batch's large tensors are born in shared memory and the broadcast copies nothing

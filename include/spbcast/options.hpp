@@ -20,7 +20,7 @@ struct limits {
     std::size_t max_depth = 512;                              // nesting of dynamic IValues
 };
 
-// How the payload travels (README: "The same-host path", "Groups that span hosts").
+// How the payload travels (docs/transports.md).
 enum class transport_mode {
     // Shared memory when every rank of the group is on the root's host; hierarchical when the
     // group spans hosts, each host has at least two ranks and the group has send/recv; the

@@ -9,7 +9,7 @@
 // usually alive while the next one arrives), but between batches that much stays resident.
 #pragma once
 
-#include "detail/receive_cache.hpp"
+#include "detail/transport/receive_cache.hpp"
 
 #include <cstddef>
 

@@ -5,10 +5,10 @@
 //   spbcast::schema_of<Batch>       -> "list<xtuner::Item{seq_ctx:xtuner::SequenceContext{...}}>"
 //   spbcast::fingerprint_of<Batch>  -> FNV-1a 64 of the schema text
 //
-// Each kind writes its own part of the text (detail/kinds.hpp lists where).
+// Each kind writes its own part of the text (detail/wire/kinds.hpp lists where).
 #pragma once
 
-#include "detail/kinds.hpp"
+#include "detail/wire/kinds.hpp"
 
 #include <array>
 #include <cstddef>

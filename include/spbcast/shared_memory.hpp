@@ -1,11 +1,11 @@
 // The same-host path's shared memory: a scope in which the leader's tensors are allocated in
 // shared memory in the first place, statistics of the root's segment pool, its bound, and
-// releasing it on request (README: "The same-host path").
+// releasing it on request (docs/transports.md, "The same-host path").
 #pragma once
 
-#include "detail/shm_allocator.hpp"
-#include "detail/shm_channel.hpp"
-#include "detail/shm_pool.hpp"
+#include "detail/transport/shm_allocator.hpp"
+#include "detail/transport/shm_channel.hpp"
+#include "detail/transport/shm_pool.hpp"
 
 #include <algorithm>
 #include <cstddef>

@@ -10,7 +10,7 @@
 // tagged form handled here is bytes: an IValue string cannot tell text from bytes, so bytes
 // travel as the tuple (TAG_BYTES, string) and come back as Python bytes.
 #include <spbcast/broadcast.hpp>
-#include <spbcast/detail/keep_alive.hpp>
+#include <spbcast/detail/orchestration/keep_alive.hpp>
 
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>

@@ -122,7 +122,7 @@ def broadcast(obj, group=None, src=0, *, timeout=None, root_wait=None, checksum=
     checksum: verify the payload with a checksum per transfer slot.
     transport: "auto" (shared memory where the whole group shares a host, the hierarchical path
     where it spans hosts with two ranks or more on each, else the network), "network",
-    "shared_memory" or "hierarchical" (README: "The same-host path", "Groups that span hosts").
+    "shared_memory" or "hierarchical" (docs/transports.md).
 
     Raises spbcast.Error (``.code`` says why) on every rank when the value cannot be sent
     (followers raise spbcast.RemoteError with the root's message); the group stays usable. A

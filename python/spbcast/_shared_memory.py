@@ -1,5 +1,5 @@
 """Tensors born in the same-host path's shared memory, and the controls of the segment pool
-(README: "The same-host path"; C++ include/spbcast/shared_memory.hpp)."""
+(docs/transports.md, "The same-host path"; C++ include/spbcast/shared_memory.hpp)."""
 
 import operator
 import threading
@@ -79,7 +79,7 @@ def set_shared_memory_limit(bytes: int) -> None:  # noqa: A002 - the C++ name
 
 
 def set_shared_memory_limits(free_bytes=None, free_segments=None, segments=None) -> dict:
-    """Sets the pool's bounds (README: "The same-host path", Bounds); None keeps a bound as it
+    """Sets the pool's bounds (docs/transports.md, "The same-host path", Bounds); None keeps a bound as it
     is. free_bytes and free_segments bound the free segments kept for reuse (defaults 2 GiB and
     16); segments bounds every segment the root tracks, each costing it a descriptor (default
     256). Returns the bounds now in use."""

@@ -1,4 +1,4 @@
-"""The torchrun example of the README runs, and dedup gives every rank BASE's batches and
+"""The torchrun example of docs/python.md runs, and dedup gives every rank BASE's batches and
 generator (examples/python/sp_train.py prints a digest of both per rank)."""
 
 import os

@@ -5,7 +5,7 @@ pixel_values, image_grid_thw, 3-D rope position_ids), over DP 2 x SP 2 real Gloo
 as XTuner's Trainer builds its data mesh, driven as its Trainer drives the loader (epochs counted
 from 1, set_epoch(2), (3), ... after each pass; the state saved by rank 0 with get_state_dict and
 loaded on every rank). BASE (every rank loads, XTuner unchanged) against dedup (the Trainer's
-dataloader wrapped in spbcast.LeaderLoader, README "Using spbcast with XTuner v1"): every step's
+dataloader wrapped in spbcast.LeaderLoader, docs/xtuner.md): every step's
 batch bit for bit with XTuner's own classes, tensor identity, views and storage offsets, and
 torch.get_rng_state() after every step; resumed mid-epoch and at an epoch's end through XTuner's
 own state in a new run, against the continuous run.
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(
     REASON is not None,
     reason=f"XTuner v1 is not importable here ({REASON}); install it with ./scripts/setup.sh, which "
            "installs ../shared/wheels/xtuner-*.whl or $SPBCAST_XTUNER_WHEEL and its pure-Python "
-           "dependencies (README: Using spbcast with XTuner v1)")
+           "dependencies (docs/xtuner.md)")
 
 SEED = 7
 

@@ -4,7 +4,7 @@ XTuner takes seconds): the test modules skip, saying why, when it cannot."""
 import importlib.util
 import os
 
-# Modules the pipeline needs besides XTuner itself (README: "Using spbcast with XTuner v1").
+# Modules the pipeline needs besides XTuner itself (docs/xtuner.md).
 _NEEDED = ("mmengine", "transformers", "tokenizers", "datasets", "cyclopts", "xxhash", "addict",
            "termcolor", "yaml", "rich", "loguru", "pydantic", "PIL", "numpy")
 

@@ -11,7 +11,7 @@
 #include "support/fixtures.hpp"
 #include "support/processes.hpp"
 
-#include <spbcast/detail/version.hpp>
+#include <spbcast/detail/base/version.hpp>
 
 #include <boost/hana/define_struct.hpp>
 #include <c10/core/CPUAllocator.h>

@@ -89,7 +89,7 @@ void check_follower_saw_root_fail(const spbcast_test::process_result& r, int ste
     CHECK_MESSAGE(f.step == step, all);
     CHECK_MESSAGE(contains(f.what, "broadcast #" + std::to_string(step) + " from root 0 failed in phase '" + phase_part), all);
     CHECK_MESSAGE(f.ms <= 1000 * (timeout_s + slack_s), all);
-    // The README's failure table states these times as measured.
+    // The failure table of docs/errors.md states these times as measured.
     MESSAGE("a follower saw the root fail after " << f.ms << " ms (" << f.errc << ", phase " << phase_part
                                                   << ", timeout " << timeout_s << " s)");
 }

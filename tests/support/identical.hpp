@@ -25,7 +25,7 @@ inline std::vector<std::uint8_t> tensor_bits(const at::Tensor& t) {
 
 class identical_checker {
 public:
-    // Compares as T's kind says (spbcast/detail/kinds.hpp), through expect, require, check,
+    // Compares as T's kind says (spbcast/detail/wire/kinds.hpp), through expect, require, check,
     // tensor and ivalue below.
     template <class T>
     void check(const T& a, const T& b, const std::string& path = "batch") {

@@ -21,7 +21,7 @@
 // path) stops at a mismatch that makes the rest meaningless, same.check(x, y, path) recurses.
 #pragma once
 
-#include "../codec.hpp"
+#include "../../codec.hpp"
 
 #include <cstddef>
 #include <string_view>
@@ -131,7 +131,7 @@ constexpr void require_supported() {
                   "spbcast: this type cannot be broadcast (its name is in the 'T = ...' of the "
                   "instantiation note). Make it an aggregate, adapt it with "
                   "BOOST_HANA_DEFINE_STRUCT / BOOST_HANA_ADAPT_STRUCT, or specialize "
-                  "spbcast::codec<T> with to_wire/from_wire (README: 'Teaching spbcast a type').");
+                  "spbcast::codec<T> with to_wire/from_wire (docs/broadcast.md: 'Teaching spbcast a type').");
 }
 
 }  // namespace spbcast::detail

@@ -4,7 +4,7 @@
 // Filling fresh shared pages costs a fault and a kernel clear per page on top of the copy, so a
 // segment that nobody can map any more is filled again for a later batch instead of being
 // freed (copying into resident pages). Who may still map a segment is its segment_holders: the
-// recycling invariant (README: "The same-host path") lives there.
+// recycling invariant (docs/transports.md, "The same-host path") lives there.
 //
 // Bounded three ways (shared_memory_limits): free bytes, free segments, and every segment the
 // pool tracks - each costs a descriptor and a mapping on the root. Past the last bound the pool

@@ -4,7 +4,7 @@
 // their static element, key and value types.
 #pragma once
 
-#include "../error.hpp"
+#include "../../error.hpp"
 #include "bytes.hpp"
 #include "kind_traits.hpp"
 

@@ -5,7 +5,7 @@
 // issue another collective on that group: every later call raises the original cause at once.
 #pragma once
 
-#include "../error.hpp"
+#include "../../error.hpp"
 
 #include <c10/util/intrusive_ptr.h>
 

@@ -2,7 +2,7 @@
 // ScalarType numbering is an implementation detail of one LibTorch release and is not sent.
 #pragma once
 
-#include "version.hpp"
+#include "../base/version.hpp"
 
 #include <c10/core/ScalarType.h>
 

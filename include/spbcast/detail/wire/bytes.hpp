@@ -2,7 +2,7 @@
 // payload checksum.
 #pragma once
 
-#include "../error.hpp"
+#include "../../error.hpp"
 
 #include <bit>
 #include <cstddef>

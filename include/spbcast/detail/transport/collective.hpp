@@ -5,10 +5,10 @@
 // announced sequence can no longer be completed.
 #pragma once
 
-#include "../error.hpp"
-#include "../group.hpp"
-#include "../options.hpp"
-#include "exception_text.hpp"
+#include "../../error.hpp"
+#include "../../group.hpp"
+#include "../../options.hpp"
+#include "../base/exception_text.hpp"
 #include "group_state.hpp"
 #include "quarantine.hpp"
 

@@ -3,15 +3,16 @@
 // the fuzz target drives them directly.
 #pragma once
 
-#include "../error.hpp"
-#include "../options.hpp"
-#include "../schema.hpp"
-#include "bytes.hpp"
-#include "collective.hpp"
-#include "frame.hpp"
-#include "same_host.hpp"
-#include "receive_plan.hpp"
-#include "value_codec.hpp"
+#include "../../error.hpp"
+#include "../../options.hpp"
+#include "../../schema.hpp"
+#include "../wire/bytes.hpp"
+#include "../transport/collective.hpp"
+#include "../transport/receive_cache.hpp"
+#include "../wire/frame.hpp"
+#include "../transport/same_host.hpp"
+#include "../wire/receive_plan.hpp"
+#include "../wire/value_codec.hpp"
 
 #include <ATen/ATen.h>
 
@@ -392,9 +393,9 @@ std::exception_ptr accept_frame(collective<Group>& c, const frame_header& header
             segment_slots = map_segments(c, *delivery, *frame->segment, slots);
         }
         if (frame->segment) {
-            frame->plan.adopt_slots(segment_slots);
+            frame->plan.adopt_slots(segment_slots, receive_cache::instance());
         } else {
-            frame->plan.allocate();
+            frame->plan.allocate(receive_cache::instance());
         }
         return nullptr;
     } catch (...) {

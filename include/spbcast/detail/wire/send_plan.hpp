@@ -9,8 +9,8 @@
 // straight into their final storage), the rest coalesced into buckets.
 #pragma once
 
-#include "../error.hpp"
-#include "../options.hpp"
+#include "../../error.hpp"
+#include "../../options.hpp"
 #include "bit_views.hpp"
 #include "bytes.hpp"
 #include "dtype.hpp"
@@ -272,7 +272,7 @@ private:
         if (!dtype_code(t.scalar_type()))
             reject(std::string("its dtype ") + c10::toString(t.scalar_type()) +
                        " has no spbcast wire code",
-                   "convert it to a supported dtype (README: 'Supported types')");
+                   "convert it to a supported dtype (docs/broadcast.md: 'Supported types')");
         if (static_cast<std::size_t>(t.dim()) > lim.max_dims)
             reject("it has " + std::to_string(t.dim()) + " dimensions, more than limits.max_dims = " +
                        std::to_string(lim.max_dims),

@@ -7,11 +7,11 @@
 // loader. A dead root still fails at once (its sockets close).
 #pragma once
 
-#include "../group.hpp"
-#include "../options.hpp"
-#include "collective.hpp"
-#include "frame.hpp"
-#include "group_state.hpp"
+#include "../../group.hpp"
+#include "../../options.hpp"
+#include "../transport/collective.hpp"
+#include "../wire/frame.hpp"
+#include "../transport/group_state.hpp"
 #include "send.hpp"
 
 #include <algorithm>

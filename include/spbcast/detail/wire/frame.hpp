@@ -4,7 +4,7 @@
 // of collectives that follows, and issues exactly that sequence whatever it finds.
 #pragma once
 
-#include "../options.hpp"
+#include "../../options.hpp"
 #include "bytes.hpp"
 
 #include <cstddef>

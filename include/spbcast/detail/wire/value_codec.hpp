@@ -12,8 +12,8 @@
 //   tensor  u32 index into the tensor table (0xffffffff: undefined)
 #pragma once
 
-#include "../error.hpp"
-#include "../options.hpp"
+#include "../../error.hpp"
+#include "../../options.hpp"
 #include "bytes.hpp"
 #include "field_path.hpp"
 #include "kinds.hpp"

@@ -1,4 +1,4 @@
-// The leader's tensors in shared memory from the start (README: "The same-host path").
+// The leader's tensors in shared memory from the start (docs/transports.md, "The same-host path").
 //
 // Inside a shared_memory_scope, the CPU allocations of that thread of at least its min_bytes
 // come from the root's segment pool, one segment each: a collator that builds its batch there
@@ -20,7 +20,7 @@
 #include "fork_safety.hpp"
 #include "shm_pool.hpp"
 #include "shm_segment.hpp"
-#include "version.hpp"
+#include "../base/version.hpp"
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>

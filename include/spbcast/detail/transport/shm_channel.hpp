@@ -19,11 +19,11 @@
 //   broadcast, and every other wait on these sockets is bounded by options.timeout.
 #pragma once
 
-#include "../error.hpp"
-#include "../options.hpp"
+#include "../../error.hpp"
+#include "../../options.hpp"
 #include "collective.hpp"
 #include "fork_safety.hpp"
-#include "frame.hpp"
+#include "../wire/frame.hpp"
 #include "group_state.hpp"
 #include "shm_pool.hpp"
 #include "shm_segment.hpp"

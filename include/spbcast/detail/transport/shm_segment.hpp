@@ -23,7 +23,7 @@
 //   that kept it would see (and could write) every later batch filled into the segment.
 #pragma once
 
-#include "../error.hpp"
+#include "../../error.hpp"
 #include "fork_safety.hpp"
 
 #include <fcntl.h>

@@ -25,7 +25,7 @@ struct kind_traits<kind::custom> {
         static_assert(has_from_wire<T>,
                       "spbcast: this codec<T> has to_wire but no matching from_wire; add "
                       "'static T from_wire(Wire&& wire)' taking to_wire's result type, so followers "
-                      "can rebuild T (README: 'Teaching spbcast a type').");
+                      "can rebuild T (docs/broadcast.md: 'Teaching spbcast a type').");
         out += type_name<T>();
         out += '=';
         append_schema<wire_type_t<T>>(out);

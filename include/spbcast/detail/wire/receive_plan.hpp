@@ -1,20 +1,20 @@
 // The follower's plan of a batch's tensors: the tables the root sent, read back and validated
 // against the limits before any allocation; storages allocated (large ones from the receive
-// cache, small ones inside their bucket), filled from the slots, and the tensors rebuilt as
+// cache the caller passes in, small ones inside their bucket), filled from the slots, and the tensors rebuilt as
 // views with the root's dtypes, sizes, strides, relative offsets and flags.
 #pragma once
 
-#include "../error.hpp"
-#include "../options.hpp"
+#include "../../error.hpp"
+#include "../../options.hpp"
 #include "bit_views.hpp"
 #include "bytes.hpp"
 #include "dtype.hpp"
-#include "receive_cache.hpp"
 #include "wire_tables.hpp"
 
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <concepts>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -22,6 +22,16 @@
 #include <vector>
 
 namespace spbcast::detail {
+
+// Where a follower's storages come from: the receive cache (transport/receive_cache.hpp) in a
+// broadcast. The plan takes it as a parameter so that the wire layer needs no transport: the
+// fuzzer and the frame tests decode with the same cache, passed in by their caller.
+template <class Memory>
+concept storage_memory = requires(Memory& memory, std::size_t bytes) {
+    { memory.allocate(bytes) } -> std::convertible_to<at::Tensor>;
+    memory.begin_batch();
+    { Memory::min_cached_bytes } -> std::convertible_to<std::size_t>;
+};
 
 class receive_plan {
 public:
@@ -92,12 +102,12 @@ public:
     // bucket (received in place, never copied); a smaller one is copied out on arrival, so a
     // small tensor a caller keeps alive pins memory in proportion to itself, not a bucket.
     // Gathered storages get memory of their own and are scattered into on arrival.
-    void allocate() {
-        auto& memory = receive_cache::instance();
+    template <storage_memory Memory>
+    void allocate(Memory& memory) {
         // Only batches that use the cache advance its clock: a small broadcast between two big
         // ones (a loader's envelope, metrics) must not evict the blocks the next big one reuses.
         const bool uses_cache = std::any_of(slots_.begin(), slots_.end(), [](const slot_meta& slot) {
-            return slot.bytes >= receive_cache::min_cached_bytes;
+            return slot.bytes >= Memory::min_cached_bytes;
         });
         if (uses_cache) memory.begin_batch();
         storage_data_.assign(storages_.size(), at::Tensor());
@@ -108,7 +118,7 @@ public:
             bucket_data_[i] = memory.allocate(slot.bytes);
             place_bucket_storages(i);
         }
-        allocate_remaining_storages();
+        allocate_remaining_storages(memory);
     }
 
     // The same-host path: transferred slot `i` already lies in `slot_data[i]` (a mapping of the
@@ -116,8 +126,8 @@ public:
     // copy; small spans are copied out (as allocate() does, so a small tensor kept alive pins
     // no segment), gathered storages get memory of their own. Slots in the frame get buckets
     // of their own, filled from the body like on the network path.
-    void adopt_slots(std::vector<at::Tensor> slot_data) {
-        auto& memory = receive_cache::instance();
+    template <storage_memory Memory>
+    void adopt_slots(std::vector<at::Tensor> slot_data, Memory& memory) {
         storage_data_.assign(storages_.size(), at::Tensor());
         bucket_data_ = std::move(slot_data);
         bucket_data_.resize(slots_.size());
@@ -130,7 +140,7 @@ public:
             }
             place_bucket_storages(i);
         }
-        allocate_remaining_storages();
+        allocate_remaining_storages(memory);
         for (std::uint32_t i = 0; i < slots_.size(); ++i)
             if (!slots_[i].in_frame) unpack_slot(i);
     }
@@ -194,8 +204,8 @@ private:
         }
     }
 
-    void allocate_remaining_storages() {
-        auto& memory = receive_cache::instance();
+    template <storage_memory Memory>
+    void allocate_remaining_storages(Memory& memory) {
         for (std::uint32_t s = 0; s < storages_.size(); ++s)
             if (!storage_data_[s].defined()) storage_data_[s] = memory.allocate(storages_[s].nbytes);
     }

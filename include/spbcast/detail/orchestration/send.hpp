@@ -2,15 +2,15 @@
 // status trailer.
 #pragma once
 
-#include "../error.hpp"
-#include "../options.hpp"
-#include "../schema.hpp"
-#include "bytes.hpp"
-#include "collective.hpp"
-#include "frame.hpp"
-#include "same_host.hpp"
-#include "send_plan.hpp"
-#include "value_codec.hpp"
+#include "../../error.hpp"
+#include "../../options.hpp"
+#include "../../schema.hpp"
+#include "../wire/bytes.hpp"
+#include "../transport/collective.hpp"
+#include "../wire/frame.hpp"
+#include "../transport/same_host.hpp"
+#include "../wire/send_plan.hpp"
+#include "../wire/value_codec.hpp"
 
 #include <ATen/ATen.h>
 

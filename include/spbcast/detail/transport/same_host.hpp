@@ -1,4 +1,4 @@
-// The same-host transfer mode of one broadcast (README: "The same-host path").
+// The same-host transfer mode of one broadcast (docs/transports.md, "The same-host path").
 //
 // The root puts every payload slot into a segment: slots that are a tensor its loader already
 // allocated in a segment of its own (shm_allocator.hpp) stay where they are, every other slot is
@@ -11,12 +11,12 @@
 // step.
 #pragma once
 
-#include "../error.hpp"
-#include "bytes.hpp"
+#include "../../error.hpp"
+#include "../wire/bytes.hpp"
 #include "collective.hpp"
-#include "frame.hpp"
+#include "../wire/frame.hpp"
 #include "receive_cache.hpp"
-#include "send_plan.hpp"
+#include "../wire/send_plan.hpp"
 #include "shm_allocator.hpp"
 #include "shm_channel.hpp"
 
