@@ -131,3 +131,11 @@ def test_nesting_within_the_limits_decodes_and_beyond_is_refused():
         _refused(_envelope(tree), f"nested deeper than {W.MAX_DEPTH} levels", code="corrupt_frame")
         _refused(_envelope([(W.TAG_OBJECT, "batches", "Plain", {"x": tree})]),
                  f"nested deeper than {W.MAX_DEPTH} levels")
+
+
+def test_the_fuzz_target_runs():
+    # A few examples of python/tests/fuzz_decoder.py, so that the target stays runnable; the
+    # bounded runs are scripts/fuzz_python.sh's.
+    import fuzz_decoder
+
+    fuzz_decoder.property_test(30)()
