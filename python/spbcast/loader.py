@@ -32,7 +32,8 @@ _MT_N = 624  # words per Mersenne Twister block
 # The largest advance one loader call may make (64 Mi words: 256 MiB of random floats). An
 # advance is counted by stepping a copy of the generator, which costs about as much as drawing
 # the words did, and a change no advance explains is only known once the search passed this
-# bound: it bounds what a reseed costs before it is refused.
+# bound: it bounds what a cached normal sample or a reseed with the same seed costs before it
+# is refused (another seed is seen at once: the state's initial seed changed).
 _MAX_WORDS_PER_CALL = 1 << 26
 _REPLAY_CHUNK = 1 << 20
 _STATE_VERSION = 2  # 2 added the pass index and the last set_epoch value
