@@ -29,8 +29,11 @@ from ._wire import decode_body
 from .errors import Error, RemoteError, TransportError
 
 _MT_N = 624  # words per Mersenne Twister block
-# The largest advance one loader call may make (64 Mi words: 256 MiB of random floats); beyond
-# it, or for a change that no advance explains, the call is refused.
+# The largest advance one loader call may make (64 Mi words: 256 MiB of random floats). An
+# advance is counted by stepping a copy of the generator, which costs about as much as drawing
+# the words did, and a change no advance explains is only known once the search passed this
+# bound: it bounds what a cached normal sample or a reseed with the same seed costs before it
+# is refused (another seed is seen at once: the state's initial seed changed).
 _MAX_WORDS_PER_CALL = 1 << 26
 _REPLAY_CHUNK = 1 << 20
 _STATE_VERSION = 2  # 2 added the pass index and the last set_epoch value
@@ -67,11 +70,17 @@ def _layout_known():
 _LAYOUT_KNOWN = None
 
 
+def _initial_seed(state):
+    return state[0:8].numpy().tobytes()
+
+
 def _count_words(before, after):
     """How many 32-bit words take the default CPU generator's state from before to after, or
-    None when no advance does."""
+    None when no advance of at most _MAX_WORDS_PER_CALL words does."""
     if torch.equal(before, after):
         return 0
+    if _layout_known() and _initial_seed(before) != _initial_seed(after):
+        return None  # reseeded (manual_seed with another seed): no advance explains it
     g = torch.Generator()
     g.set_state(before)
     if _layout_known():
@@ -542,12 +551,21 @@ class LeaderLoader:
         return out
 
     def _words(self, before, doing):
-        n = _count_words(before, torch.get_rng_state())
+        after = torch.get_rng_state()
+        n = _count_words(before, after)
         if n is None:
+            if _layout_known() and _initial_seed(before) != _initial_seed(after):
+                what = "it reseeded it (torch.manual_seed or set_rng_state)"
+            else:
+                what = (f"no advance of at most {_MAX_WORDS_PER_CALL:,} 32-bit words ("
+                        f"{_MAX_WORDS_PER_CALL * 4 / (1 << 20):g} MiB of random data) per call "
+                        "explains it: the call drew more than that (spbcast counts the words by "
+                        "stepping a copy of the generator, as long again as drawing them), "
+                        "reseeded it with the same seed, or left a cached normal sample")
             raise Error(self._where() + f": {doing} changed the default CPU generator in a way "
-                        "spbcast cannot mirror on the followers (not an advance of it: a reseed, "
-                        "a cached normal sample); give that code a torch.Generator of its own or "
-                        "move it into DataLoader workers", "loader")
+                        f"spbcast cannot mirror on the followers: {what}; give that code (e.g. a "
+                        "large augmentation) a torch.Generator of its own, or move it into "
+                        "DataLoader workers (num_workers > 0)", "loader")
         return n
 
     def _replay(self, words):

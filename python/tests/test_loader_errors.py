@@ -79,3 +79,37 @@ def _mirror(rank, world, workers):
 @pytest.mark.parametrize("workers", [0, 2], ids=["0 workers", "2 persistent workers"])
 def test_generator_mirror_survives_errors(workers):
     run(2 if workers else 3, _mirror, workers, timeout=150)
+
+
+class Draws(Dataset):
+    """Sample 1 draws more words than the (lowered) per-call bound, sample 2 reseeds."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        if i == 1:
+            torch.rand(5000)
+        if i == 2:
+            torch.manual_seed(1234)
+        return {"i": i}
+
+
+def _draw_limits(rank, world):
+    spbcast.loader._MAX_WORDS_PER_CALL = 4096  # 64 Mi words by default: seconds to draw
+    torch.manual_seed(3)
+    ll = spbcast.LeaderLoader(lambda: DataLoader(Draws(), batch_size=1, collate_fn=first), None,
+                              sp_media_dedup=True, total_epoch=1)
+    it = iter(ll)
+    assert int(next(it)["i"]) == 0
+    with pytest.raises(spbcast.Error) as info:
+        next(it)
+    assert "no advance of at most 4,096 32-bit words (0.015625 MiB of random data) per call" in str(info.value)
+    assert "drew more than that" in str(info.value) and "torch.Generator of its own" in str(info.value)
+    with pytest.raises(spbcast.Error, match=r"it reseeded it \(torch.manual_seed"):
+        next(it)
+    assert int(next(it)["i"]) == 3  # the group goes on
+
+
+def test_draws_that_cannot_be_mirrored_say_why():
+    run(2, _draw_limits, timeout=120)
