@@ -1,13 +1,14 @@
 // One rank of a leader-only-loading job, for the process tests (RNG parity, restart). Each rank
 // has its own default CPU generator here, as in a real job.
 //
-//   spbcast_loader_worker <base|dedup> <sp_size> <media|media-persistent|torchdata>
+//   spbcast_loader_worker <base|dedup> <sp_size> <media|media-persistent|torchdata|faulty>
 //                         <total_step> <save_at_step|0> <state_dir> <resume 0|1>
 //
 // Prints "step S epoch E digest D" per step and "rng R" (a checksum of the default CPU
 // generator's state) at the end. With save_at_step, it saves the leader's loader state and
 // this rank's generator state into state_dir after that step and exits, like a job stopped
-// at a checkpoint; with resume 1 it restores both and continues.
+// at a checkpoint; with resume 1 it restores both and continues. "faulty" runs a loader that
+// fails on two steps under a trainer that skips them, printing "call ..." after every call.
 #include "support/media_loader.hpp"
 
 #include <spbcast/spbcast.hpp>
@@ -53,6 +54,63 @@ void set_generator_state(const std::string& bytes) {
     gen.set_state(state);
 }
 
+// Five batches a pass, shuffled by a randperm(5) from the default CPU generator at every
+// begin(), as torch::data's RandomSampler does. Its 6th fetch (the first of epoch 1) throws; its
+// 11th (the first of epoch 2) yields a sparse batch, which spbcast refuses to send. Both come
+// right after a begin(), so the step that fails carries that pass's RNG event.
+struct faulty_loader {
+    static constexpr spbcast::rng_draws rng_draws = spbcast::rng_draws::events;
+    static constexpr int64_t batches = 5;
+    int64_t fetches = 0;
+    std::vector<spbcast::rng_event> construction_rng_events() const { return {}; }
+    std::vector<spbcast::rng_event> iterator_rng_events() const {
+        return {{.kind = spbcast::rng_event::randperm, .n = batches}};
+    }
+    int64_t size() const { return batches; }
+    struct pass_t {
+        faulty_loader* self;
+        at::Tensor order;
+        int64_t taken = 0;
+        std::optional<at::Tensor> next() {
+            if (taken == batches) return std::nullopt;
+            const int64_t sample = order[taken++].item<int64_t>();
+            ++self->fetches;
+            if (self->fetches == 6) throw std::runtime_error("decoder crashed on sample " + std::to_string(sample));
+            if (self->fetches == 11) return at::arange(4).to_sparse();
+            return at::arange(4) + 10 * sample;
+        }
+    };
+    pass_t begin() { return {this, at::randperm(batches)}; }
+};
+
+// A trainer that skips a step whose batch failed: it catches the error (in BASE the loader's
+// own exception; with dedup spbcast::error, errc::loader) and calls next() again. A sparse
+// batch is skipped as well, so BASE skips the steps dedup cannot send. After every call it
+// prints the counters and this rank's generator state.
+template <class Loader>
+int run_skipping_errors(Loader& loader) {
+    for (;;) {
+        std::string outcome;
+        bool more = true;
+        try {
+            auto batch = loader.next();
+            more = batch.has_value();
+            if (batch && batch->is_sparse()) outcome = "skipped";
+            else if (batch) outcome = "batch " + std::to_string(batch->sum().template item<int64_t>());
+            else outcome = "end";
+        } catch (const spbcast::error& e) {
+            outcome = e.code() == spbcast::errc::loader ? "skipped" : std::string("unexpected ") + e.what();
+        } catch (const std::exception&) {
+            outcome = "skipped";
+        }
+        const std::string state = generator_state();
+        std::cout << "call step " << loader.step() << " epoch " << loader.epoch() << " " << outcome << " rng "
+                  << std::hex << spbcast::detail::checksum64(state.data(), state.size()) << std::dec << "\n";
+        if (!more) return 0;
+        at::rand({3});  // the training step's own CPU randomness
+    }
+}
+
 template <class Loader>
 int run(Loader& loader, const spbcast::dist::sp_layout& layout, int save_at, const std::string& dir) {
     while (auto batch = loader.next()) {
@@ -91,7 +149,7 @@ void leave_together(c10d::Store& store, int rank, int world) {
 
 int main(int argc, char** argv) {
     if (argc != 8) {
-        std::cerr << "usage: spbcast_loader_worker <base|dedup> <sp> <media|media-persistent|torchdata> "
+        std::cerr << "usage: spbcast_loader_worker <base|dedup> <sp> <media|media-persistent|torchdata|faulty> "
                      "<total_step> <save_at|0> <state_dir> <resume 0|1>\n";
         return 2;
     }
@@ -109,11 +167,17 @@ int main(int argc, char** argv) {
         // Every rank's generator starts in its own state, so a follower that skipped or
         // doubled a draw could not match BASE by accident. torch::data's RandomSampler shuffles
         // with the default generator, so there the SP ranks of a replica must start equal (as
-        // they must in BASE, or they would load different batches).
-        at::manual_seed(kind == "torchdata" ? 1000 + layout.dp_rank : 1000 + env.rank);
+        // they must in BASE, or they would load different batches); so for the faulty loader.
+        at::manual_seed(kind == "torchdata" || kind == "faulty" ? 1000 + layout.dp_rank : 1000 + env.rank);
         const spbcast::loader_config cfg{.sp_media_dedup = dedup, .total_step = total_step,
                                          .timeout = std::chrono::seconds(60)};
         if (resume) set_generator_state(read_file(dir + "/rank" + std::to_string(env.rank) + ".rng"));
+        if (kind == "faulty") {
+            auto loader = spbcast::make_leader_loader(cfg, layout.sp_group, 1, [] { return std::make_unique<faulty_loader>(); });
+            const int rc = run_skipping_errors(loader);
+            leave_together(*store, env.rank, env.world_size);
+            return rc;
+        }
         if (kind == "torchdata") {
             auto loader = spbcast::make_leader_loader(cfg, layout.sp_group, 1, [] {
                 auto torch_loader = torch::data::make_data_loader(

@@ -277,6 +277,64 @@ TEST_CASE("every exception of the leader's loader reaches every SP rank as errc:
     }
 }
 
+namespace {
+
+// Its 2nd fetch throws and its 3rd yields a sparse tensor, which spbcast refuses to send.
+struct refusing_loader {
+    static constexpr spbcast::rng_draws rng_draws = spbcast::rng_draws::none;
+    int produced = 0;
+    struct pass_t {
+        refusing_loader* self;
+        std::optional<at::Tensor> next() {
+            ++self->produced;
+            if (self->produced == 2) throw std::runtime_error("decoder crashed on sample 2");
+            if (self->produced == 3) return at::arange(4).to_sparse();
+            return at::full({2}, self->produced, at::kLong);
+        }
+    };
+    pass_t begin() { return {this}; }
+};
+
+}  // namespace
+
+TEST_CASE("a trainer that skips a failed fetch and a refused batch goes on at the same step on every SP rank") {
+    // The generator mirror across these errors needs a generator per rank: test_loader_processes.cpp.
+    std::vector<std::vector<std::string>> calls(3);
+    run_ranks(3, [&](int rank, auto& group) {
+        auto sp = c10::intrusive_ptr<c10d::ProcessGroupGloo>::reclaim_copy(&group);
+        auto loader = spbcast::make_leader_loader(spbcast::loader_config{.sp_media_dedup = true, .total_step = 4},
+                                                  sp, 1, [] { return std::make_unique<refusing_loader>(); });
+        for (bool more = true; more;) {
+            std::string outcome;
+            try {
+                auto batch = loader.next();
+                more = batch.has_value();
+                outcome = batch ? std::to_string(batch->sum().template item<int64_t>()) : "end";
+            } catch (const spbcast::error& e) {
+                CHECK(e.code() == spbcast::errc::loader);
+                outcome = e.what();
+            }
+            calls[rank].push_back("step " + std::to_string(loader.step()) + " epoch " +
+                                  std::to_string(loader.epoch()) + ": " + outcome);
+        }
+    });
+    for (int rank = 0; rank < 3; ++rank) {
+        CAPTURE(rank);
+        REQUIRE(calls[rank].size() == 6);
+        CHECK(calls[rank][0] == "step 1 epoch 0: 2");
+        // A fetch that threw is no step; a refused batch is one, and names what was refused.
+        CHECK(calls[rank][1].find("step 1 epoch 0: spbcast: SP rank " + std::to_string(rank) +
+                                  " (leader_loader): the SP leader (SP rank 0) failed fetching step 2: "
+                                  "decoder crashed on sample 2") == 0);
+        CHECK(calls[rank][2].find("step 2 epoch 0: spbcast: SP rank " + std::to_string(rank) +
+                                  " (leader_loader): the SP leader (SP rank 0) failed sending step 2: ") == 0);
+        CHECK(calls[rank][2].find("layout is not strided") != std::string::npos);
+        CHECK(calls[rank][3] == "step 3 epoch 0: 8");
+        CHECK(calls[rank][4] == "step 4 epoch 0: 10");
+        CHECK(calls[rank][5] == "step 4 epoch 0: end");
+    }
+}
+
 TEST_CASE("a leader slower than the transport timeout is waited for, as a BASE rank waits for its own loader") {
     using namespace std::chrono_literals;
     std::vector<std::vector<int64_t>> seen(3);

@@ -15,6 +15,7 @@ namespace {
 struct rank_log {
     std::vector<std::string> steps;  // "step S epoch E digest D"
     std::string rng;
+    std::vector<std::string> calls;  // "call step S epoch E <outcome> rng R", the faulty loader's
 };
 
 std::vector<rank_log> run_job(const std::string& mode, int sp, const std::string& loader, int total_step,
@@ -30,6 +31,7 @@ std::vector<rank_log> run_job(const std::string& mode, int sp, const std::string
         for (std::string line; std::getline(lines, line);) {
             if (line.rfind("step ", 0) == 0) logs[r].steps.push_back(line);
             if (line.rfind("rng ", 0) == 0) logs[r].rng = line;
+            if (line.rfind("call ", 0) == 0) logs[r].calls.push_back(line);
         }
     }
     return logs;
@@ -55,6 +57,24 @@ TEST_CASE("RNG parity: each follower's default generator ends bit-identical to B
             CHECK(base[0].steps.back().find("epoch 0 ") == std::string::npos);
             CHECK(base[0].steps.back().find("epoch 1 ") == std::string::npos);
         }
+}
+
+TEST_CASE("a trainer that skips a failed fetch and a refused batch has BASE's generator and counters on every rank after every step") {
+    // DP2 x SP2, a randperm at every begin(): the fetch that throws (no step) and the batch
+    // spbcast cannot send (a step) both come first in a pass, so their steps carry RNG events.
+    const auto base = run_job("base", 2, "faulty", 14);
+    const auto dedup = run_job("dedup", 2, "faulty", 14);
+    for (int r = 0; r < 4; ++r) {
+        CAPTURE(r);
+        REQUIRE(base[r].calls.size() == 16);  // 14 steps, the fetch that threw, the end
+        CHECK(base[r].calls[5].find("call step 5 epoch 1 skipped") == 0);
+        CHECK(base[r].calls[10].find("call step 10 epoch 2 skipped") == 0);
+        CHECK(base[r].calls.back().find("call step 14 epoch 2 end") == 0);
+        for (std::size_t i = 0; i < base[r].calls.size(); ++i) {
+            CAPTURE(i);
+            CHECK(dedup[r].calls.at(i) == base[r].calls[i]);
+        }
+    }
 }
 
 TEST_CASE("restart: save at step 20, new processes resume, steps 21-40 equal the continuous run") {

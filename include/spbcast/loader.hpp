@@ -240,13 +240,14 @@ public:
             envelope.epoch = epoch_;
             envelope.step = step_;
         }
-        broadcast(envelope, group_, broadcast_options());
-        if (envelope.status == leader_status::failed)
-            throw leader_failed("fetching step " + std::to_string(envelope.step + 1), envelope.error);
+        const bool refused = !send_step(envelope);
         if ((envelope.status == leader_status::batch) != envelope.batch.has_value() ||
-            (envelope.status != leader_status::batch && envelope.status != leader_status::end))
+            (envelope.status != leader_status::batch && envelope.status != leader_status::end &&
+             envelope.status != leader_status::failed))
             throw error(errc::corrupt_frame, where() + ": an inconsistent loader status arrived from the SP leader");
         if (!is_leader()) {
+            // Before any error is raised: the leader's draws and counters, whatever the step's
+            // outcome, so a trainer that catches the error goes on with BASE's generator.
             for (const rng_event& event : envelope.rng_events) {
                 detail::check_rng_event(event, where());
                 replay(event);
@@ -254,6 +255,9 @@ public:
             epoch_ = envelope.epoch;
             step_ = envelope.step;
         }
+        if (refused) throw leader_failed("sending step " + std::to_string(envelope.step), envelope.error);
+        if (envelope.status == leader_status::failed)
+            throw leader_failed("fetching step " + std::to_string(envelope.step + 1), envelope.error);
         return std::move(envelope.batch);
     }
 
@@ -319,6 +323,29 @@ private:
         if (!cfg_.leader_allocates_in_shared_memory || cfg_.transport == transport_mode::network) return false;
         const auto state = detail::same_host_registry::instance().find(&detail::group_of(group_), 0);
         return state && state->shared;
+    }
+
+    // Broadcasts the step's envelope; false when the leader's batch was refused (spbcast cannot
+    // send it). The leader then sends the same envelope without the batch, with the refusal as
+    // its error, so the step's RNG events, epoch and step still reach every rank. A refused batch
+    // counts as a step (the loader produced it): a trainer that skips it goes on at the same step
+    // everywhere. A fetch that threw counts on no rank.
+    bool send_step(step_envelope<batch_type>& envelope) {
+        try {
+            broadcast(envelope, group_, broadcast_options());
+            return true;
+        } catch (const transport_error&) {
+            throw;  // the group is out of step: no follow-up can reach the followers
+        } catch (const remote_error&) {
+            if (is_leader()) throw;  // a follower's: the leader refused its batch; its step follows
+        } catch (const error& e) {
+            if (!is_leader()) throw;  // this follower's own failure, not the leader's refusal
+            envelope.batch.reset();
+            envelope.status = leader_status::failed;
+            envelope.error = e.what();
+        }
+        broadcast(envelope, group_, broadcast_options());
+        return false;
     }
 
     std::string where() const {
