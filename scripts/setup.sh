@@ -85,10 +85,12 @@ if [ -n "$xtuner_wheel" ]; then
     xtuner_stamp="$VENV/.spbcast-xtuner-wheel"
     xtuner_sum="$(sha256sum "$xtuner_wheel" | cut -d' ' -f1)"
     xtuner_deps=(addict termcolor pyyaml rich loguru "transformers==5.14.1" "datasets<4"
-                 "fsspec<=2025.3.0" xxhash pillow cyclopts)
+                 "fsspec<=2025.3.0" xxhash pillow cyclopts
+                 einops more-itertools)  # the last two: XTuner's Trainer (test_xtuner_trainer.py)
     if [ -f "$xtuner_stamp" ] && [ "$(cat "$xtuner_stamp")" = "$xtuner_sum" ] \
         && [ -n "$(version_of mmengine)" ] && [ -n "$(version_of transformers)" ] \
-        && [ -n "$(version_of datasets)" ] && [ -n "$(version_of cyclopts)" ]; then
+        && [ -n "$(version_of datasets)" ] && [ -n "$(version_of cyclopts)" ] \
+        && [ -n "$(version_of einops)" ] && [ -n "$(version_of more-itertools)" ]; then
         echo "setup: XTuner v1 ($(basename "$xtuner_wheel")) present in $VENV"
     else
         echo "setup: installing XTuner v1 from $xtuner_wheel and its data pipeline's dependencies into $VENV"
