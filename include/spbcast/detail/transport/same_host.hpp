@@ -536,7 +536,10 @@ template <class Group>
 void relay_chunks(collective<Group>& c, same_host_state& state, const relay_plan& plan, std::uint64_t sequence,
                   const at::Tensor& memory, const at::Tensor& scratch) {
     const int root = c.opts().root, me = c.rank();
-    const auto [from, to] = relay_neighbours(state, me);
+    // Plain variables, not a structured binding: the lambdas below capture them, which clang
+    // before 16 refuses for bindings (the fuzz tree builds with clang 14).
+    const std::pair<int, int> neighbours = relay_neighbours(state, me);
+    const int from = neighbours.first, to = neighbours.second;
     const std::size_t n = plan.chunks.size();
     // At most two receives ahead and two sends behind: with the chunk scratch, the slot a
     // receive reuses was sent two chunks before the one just waited for.
