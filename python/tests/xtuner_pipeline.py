@@ -166,8 +166,9 @@ class TinyQwen3VLTokenizeFnConfig:
 
 
 def text_config(path, *, num_workers, pack_level="soft", group_by_length=True, pack_max_length=64,
-                **more):
-    return DataloaderConfig(
+                config_class=None, **more):
+    """XTuner's text pipeline; ``config_class`` is XTuner's DataloaderConfig or a subclass."""
+    return (config_class or DataloaderConfig)(
         dataset_config_list=[{"dataset": DatasetConfig(anno_path=path, name="text"),
                               "tokenize_fn": PretrainTokenizeFunctionConfig()}],
         collator="sft_llm_collator", pack_level=pack_level, group_by_length=group_by_length,
