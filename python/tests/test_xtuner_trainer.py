@@ -7,7 +7,8 @@ Per step and per rank, bit for bit: the model input after the SP split, the loss
 ``torch.get_rng_state()`` after the fetch and after the optimizer step; then the final parameter
 shards. Only the SP leaders create a DataLoader iterator under dedup. Resumed in new processes
 through XTuner's own checkpoints (mid-epoch, right after an epoch's last step, and across the
-switch both ways): a resumed run equals BASE resumed the same way (XTuner saves no generator
+switch both ways, and from the LeaderLoader state that dedup wired by hand saved before the
+switch existed): a resumed run equals BASE resumed the same way (XTuner saves no generator
 state, so generators are compared between resumed runs), and its batches mid-epoch equal the
 continuous run's. A negative control - one extra draw on each follower - must fail the
 comparison.
@@ -68,7 +69,8 @@ def runs(tmp_path_factory):
     tokenizer_dir, data = xt.write_inputs(root)
     Arm = xt.Arm
     continuous = [Arm("base0", False), Arm("dedup0", True), Arm("base2", False, workers=2),
-                  Arm("dedup2", True, workers=2), Arm("extra_draw", True, extra_draw=MID)]
+                  Arm("dedup2", True, workers=2), Arm("extra_draw", True, extra_draw=MID),
+                  Arm("hand_wired0", True, hand_wired=True)]
     resumed = [Arm(f"{name}@{step}", name.startswith("dedup"), workers=int(name[-1]),
                    resume=(name, step))
                for name, step in (("base0", MID), ("dedup0", MID), ("base0", END), ("dedup0", END),
@@ -76,7 +78,8 @@ def runs(tmp_path_factory):
     # Across the switch: dedup resumed from BASE's checkpoint, BASE from dedup's.
     resumed += [Arm("dedup0@base0", True, resume=("base0", MID)),
                 Arm("base0@dedup0", False, resume=("dedup0", MID)),
-                Arm("dedup0@base0-end", True, resume=("base0", END))]
+                Arm("dedup0@base0-end", True, resume=("base0", END)),
+                Arm("dedup0@hand_wired0", True, resume=("hand_wired0", MID))]
     records = xt.launch(root, continuous, tokenizer_dir, data)
     records.update(xt.launch(root, resumed, tokenizer_dir, data))  # new processes
     return records
@@ -89,6 +92,7 @@ def test_dedup_trains_like_base(runs):
         same_run(base, dedup, f"{workers} workers: BASE against dedup")
         only_leaders_iterate(dedup, f"dedup, {workers} workers")
         assert all(r["iterators"] > 0 for r in base), "BASE: every rank iterates"
+    same_run(runs["base0"], runs["hand_wired0"], "BASE against dedup wired by hand")
 
 
 def test_negative_control_fails(runs):
@@ -100,7 +104,8 @@ def test_negative_control_fails(runs):
     ("dedup0@2", "base0@2", "base0", MID), ("dedup0@4", "base0@4", None, END),
     ("dedup2@2", "base2@2", "base2", MID),
     ("dedup0@base0", "base0@2", "base0", MID), ("base0@dedup0", "base0@2", "base0", MID),
-    ("dedup0@base0-end", "base0@4", None, END)])
+    ("dedup0@base0-end", "base0@4", None, END),
+    ("dedup0@hand_wired0", "base0@2", "base0", MID)])
 def test_resumed(runs, arm, base, continuous, step):
     """A resumed arm against BASE resumed the same way (generators included), and mid-epoch its
     batches against the continuous run's. XTuner's own state right after an epoch's last step

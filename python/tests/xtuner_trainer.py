@@ -55,6 +55,7 @@ from xtuner.v1.model.dense.qwen3 import Qwen3DenseConfig  # noqa: E402
 from xtuner.v1.module.attention import MHAConfig  # noqa: E402
 from xtuner.v1.train.trainer import LoadCheckpointConfig, Trainer  # noqa: E402
 
+import spbcast  # noqa: E402
 import spbcast.xtuner  # noqa: E402
 
 SEED = 11
@@ -103,6 +104,19 @@ class Arm:
     workers: int = 0
     resume: tuple[str, int] | None = None
     extra_draw: int | None = None
+    hand_wired: bool = False  # dedup wired by hand, as before the switch (its checkpoints)
+
+
+class HandWiredDataloaderConfig(xp.DataloaderConfig):
+    """XTuner's config whose dataloader is wrapped in spbcast.LeaderLoader by hand, as
+    docs/xtuner.md showed before the switch existed: its checkpoints hold LeaderLoader's own
+    state, which the switch must keep loading."""
+
+    def build(self, **kwargs):
+        dataloader = super().build(**kwargs)
+        sp_group = kwargs["dp_mesh"]._get_root_mesh()["sp"].get_group()
+        return spbcast.LeaderLoader(lambda: dataloader, sp_group, sp_media_dedup=True,
+                                    first_epoch=1, set_epoch=None)
 
 
 def checkpoint_of(root, arm_name, step):
@@ -149,9 +163,12 @@ def _train(arm, root, tokenizer_dir, data, rank):
     load = LoadCheckpointConfig()
     if arm.resume is not None:
         load = LoadCheckpointConfig(checkpoint_path=checkpoint_of(root, *arm.resume))
-    config_class = spbcast.xtuner.DataloaderConfig
-    loader_cfg = xp.text_config(data, num_workers=arm.workers, config_class=config_class,
-                                sp_media_dedup=arm.dedup)
+    if arm.hand_wired:
+        loader_cfg = xp.text_config(data, num_workers=arm.workers,
+                                    config_class=HandWiredDataloaderConfig)
+    else:
+        loader_cfg = xp.text_config(data, num_workers=arm.workers, sp_media_dedup=arm.dedup,
+                                    config_class=spbcast.xtuner.DataloaderConfig)
     try:
         trainer = Trainer(
             model_cfg=tiny_qwen3(len(xp.SPECIAL) + len(xp.WORDS)),
