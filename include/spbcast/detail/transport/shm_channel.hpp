@@ -735,9 +735,22 @@ inline std::string transport_disagreement(const std::vector<transport_mode>& mod
            "; pass the same options.transport on every rank (no batch was sent; the group stays usable)";
 }
 
+// automatic's model of the two paths over H hosts, for a payload B much larger than the relay
+// chunk C on links of rate b (docs/transports.md): Gloo's broadcast sends every rank its own copy,
+// so a host's link carries one copy per rank there and the copies cross in ceil(log2 ranks)
+// rounds; the chain carries one copy per link, all links at once, in (B + (H - 2) C) / b. The
+// chain is ahead wherever a host has a second rank (fewer copies on that host's link, shared
+// pages on the root's) or there are three hosts or more (one copy's time against two rounds or
+// more); with two ranks on two hosts both send the one copy once.
+inline bool relay_is_faster(const std::vector<relay_host>& hosts) {
+    return hosts.size() >= 3 ||
+           std::any_of(hosts.begin(), hosts.end(), [](const relay_host& h) { return !h.members.empty(); });
+}
+
 // The hosts of a group that spans hosts, from the answers every rank holds: the root's host
 // first, then the others in the order of their leaders. Empty when the hierarchical transport
-// is not taken: every rank on the root's host, or (automatic) a host with a single rank.
+// is not taken: every rank on the root's host, or (automatic) where the model above gives the
+// network path the lead.
 inline std::vector<relay_host> hosts_of(const handshake_offer& offer, const std::vector<handshake_answer>& answers,
                                         int root, std::string& why_not) {
     std::vector<relay_host> hosts{relay_host{root, {}}};
@@ -754,15 +767,12 @@ inline std::vector<relay_host> hosts_of(const handshake_offer& offer, const std:
         }
     }
     if (hosts.size() == 1 || !offer.relays) return {};
-    if (offer.transport == static_cast<std::uint32_t>(transport_mode::automatic))
-        for (const auto& h : hosts)
-            if (h.members.empty()) {
-                why_not = "the group spans " + std::to_string(hosts.size()) + " hosts and rank " +
-                          std::to_string(h.leader) +
-                          " is alone on its host (transport_mode::automatic relays only when every host "
-                          "has two ranks or more; pass transport_mode::hierarchical to relay anyway)";
-                return {};
-            }
+    if (offer.transport == static_cast<std::uint32_t>(transport_mode::automatic) && !relay_is_faster(hosts)) {
+        why_not = "the group is one rank on each of two hosts, where the relay and the network path send the same "
+                  "one copy (transport_mode::automatic takes the network path there; pass "
+                  "transport_mode::hierarchical to relay anyway)";
+        return {};
+    }
     return hosts;
 }
 
@@ -831,14 +841,14 @@ std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options
         reasons.push_back((r == root ? "root (rank " + std::to_string(r) + ")" : "rank " + std::to_string(r)) + ": " + why);
     };
     if (!offer->root_ok) reason(root, std::string(offer->why_not, strnlen(offer->why_not, sizeof offer->why_not)));
-    std::string single_rank_host;
-    auto hosts = offer->root_ok ? hosts_of(*offer, answers, root, single_rank_host) : std::vector<relay_host>{};
+    std::string network_is_as_fast;
+    auto hosts = offer->root_ok ? hosts_of(*offer, answers, root, network_is_as_fast) : std::vector<relay_host>{};
     if (hosts.empty()) {
         // One host (or none relayed): every follower must have connected to the root.
         for (int r = 0; r < size; ++r)
             if (r != root && offer->root_ok && answers[static_cast<std::size_t>(r)].connected != 1)
                 reason(r, answers[static_cast<std::size_t>(r)].why_not);
-        if (!single_rank_host.empty()) reasons.assign(1, single_rank_host);
+        if (!network_is_as_fast.empty()) reasons.assign(1, network_is_as_fast);
         std::vector<int> followers;
         for (int r = 0; r < size; ++r)
             if (r != root) followers.push_back(r);
