@@ -43,7 +43,7 @@ run() {  # <world> <first rank in the second namespace> <root> <transport> <expe
 }
 
 # automatic relays to a rank alone on its side too (the root's side still shares its pages), but
-# not for one rank on each side, where the relay and the network path send the same one copy.
+# not where every rank is alone on its side: there are no shared pages to relay into.
 run 3 2 0 auto hosts || fail "transport automatic with a follower alone in another network namespace"
 run 2 1 0 auto network || fail "transport automatic with one rank on each side"
 run 4 3 0 auto hosts || fail "transport automatic over 3 + 1 ranks"

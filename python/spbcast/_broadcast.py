@@ -121,7 +121,7 @@ def broadcast(obj, group=None, src=0, *, timeout=None, root_wait=None, checksum=
     this, not ``timeout`` (C++ ``options.root_wait``).
     checksum: verify the payload with a checksum per transfer slot.
     transport: "auto" (shared memory where the whole group shares a host, the hierarchical path
-    where it spans hosts, except one rank on each of two hosts: the network there), "network",
+    where it spans hosts with two ranks or more on some host, else the network), "network",
     "shared_memory" or "hierarchical" (docs/transports.md).
 
     Raises spbcast.Error (``.code`` says why) on every rank when the value cannot be sent

@@ -737,14 +737,13 @@ inline std::string transport_disagreement(const std::vector<transport_mode>& mod
 
 // automatic's model of the two paths over H hosts, for a payload B much larger than the relay
 // chunk C on links of rate b (docs/transports.md): Gloo's broadcast sends every rank its own copy,
-// so a host's link carries one copy per rank there and the copies cross in ceil(log2 ranks)
-// rounds; the chain carries one copy per link, all links at once, in (B + (H - 2) C) / b. The
-// chain is ahead wherever a host has a second rank (fewer copies on that host's link, shared
-// pages on the root's) or there are three hosts or more (one copy's time against two rounds or
-// more); with two ranks on two hosts both send the one copy once.
+// so a host's link carries one copy per rank there, in ceil(log2 ranks) rounds; the chain carries
+// one copy per link, all links at once, in (B + (H - 2) C) / b. The chain is ahead wherever a host
+// has a second rank: fewer copies over that host's link, shared pages on the root's. It needs
+// one: with every rank alone on its host there are no shared pages to relay into (the handshake
+// falls back to the network path under transport_mode::hierarchical too).
 inline bool relay_is_faster(const std::vector<relay_host>& hosts) {
-    return hosts.size() >= 3 ||
-           std::any_of(hosts.begin(), hosts.end(), [](const relay_host& h) { return !h.members.empty(); });
+    return std::any_of(hosts.begin(), hosts.end(), [](const relay_host& h) { return !h.members.empty(); });
 }
 
 // The hosts of a group that spans hosts, from the answers every rank holds: the root's host
@@ -768,9 +767,8 @@ inline std::vector<relay_host> hosts_of(const handshake_offer& offer, const std:
     }
     if (hosts.size() == 1 || !offer.relays) return {};
     if (offer.transport == static_cast<std::uint32_t>(transport_mode::automatic) && !relay_is_faster(hosts)) {
-        why_not = "the group is one rank on each of two hosts, where the relay and the network path send the same "
-                  "one copy (transport_mode::automatic takes the network path there; pass "
-                  "transport_mode::hierarchical to relay anyway)";
+        why_not = "every rank of the group is alone on its host: there are no shared pages to relay into, and "
+                  "Gloo's broadcast sends each host its one copy";
         return {};
     }
     return hosts;
