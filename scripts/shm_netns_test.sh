@@ -4,8 +4,9 @@
 # (scripts/netns_common.sh). With ranks 0 and 1 in one namespace and rank 2 in the other,
 # automatic must choose the hierarchical path (one copy over the link, shared memory on the root's
 # side, batches bit-exact) and transport_mode::shared_memory must be refused on every rank with the
-# reason; with one rank on each side automatic must choose the network path; with two ranks on
-# each side the hierarchical path, as transport_mode::hierarchical does for a rank alone on its side.
+# reason; with one rank on each side automatic must choose the network path (hierarchical relays
+# there too); with two ranks on each side, over 3 + 1 and over three bridged hosts of 2 + 2 + 1 or
+# of one rank each, the hierarchical path.
 #
 # Bounded, self-cleaning (trap), and skipped - exit 77 - where it cannot run: not root, no
 # ip(8), no network namespaces or veth pairs.
@@ -43,9 +44,10 @@ run() {  # <world> <first rank in the second namespace> <root> <transport> <expe
 }
 
 # automatic relays to a rank alone on its side too (the root's side still shares its pages), but
-# not where every rank is alone on its side: there are no shared pages to relay into.
+# not for one rank on each side, where the relay and the network path send the same one copy.
 run 3 2 0 auto hosts || fail "transport automatic with a follower alone in another network namespace"
 run 2 1 0 auto network || fail "transport automatic with one rank on each side"
+run 2 1 0 hier hosts || fail "transport hierarchical with one rank on each side"
 run 4 3 0 auto hosts || fail "transport automatic over 3 + 1 ranks"
 run 3 2 0 shm refused || fail "transport shared_memory with a follower in another network namespace"
 grep -q "another network namespace" "$WORK/rank0.log" || fail "the refusal does not name the reason"
@@ -128,25 +130,28 @@ for rank in 0 1 2 3 4 5; do
 done
 echo "shm_netns_test: 3 hosts x 2 ranks on 200 Mbit/s links: $(($(date +%s) - start)) s"
 [ $status = 0 ] || fail "48 MiB over 3 hosts on slow links with a 4 s timeout, or a view's bytes over the links"
-# Uneven hosts on the same bridge: 2 + 2 + 1 ranks, the root alone on its host and then on a host
-# of two; automatic relays over the three hosts.
-bridge_check() {  # <root>: ranks 0, 1 on the first host, 2, 3 on the second, 4 on the third
-    local root=$1 status=0
+# Uneven hosts on the same bridge, under automatic, which relays over all three: 2 + 2 + 1 ranks
+# with the root alone on its host and then on a host of two, and one rank on each host.
+bridge_check() {  # <root> <host of rank 0> <host of rank 1> ...
+    local root=$1 status=0 world=$(($# - 1))
+    shift
     PORT=$((PORT + 1))
     PIDS=()
-    for rank in 0 1 2 3 4; do
-        h=$((rank / 2))
-        ip netns exec "${BRIDGE_NS[$h]}" env MASTER_ADDR=10.96.0.1 MASTER_PORT=$PORT RANK=$rank WORLD_SIZE=5 \
-            LOCAL_RANK=$((rank % 2)) GLOO_SOCKET_IFNAME="${BRIDGE_DEV[$h]}" timeout 120 \
+    local rank=0
+    for h in "$@"; do
+        ip netns exec "${BRIDGE_NS[$h]}" env MASTER_ADDR=10.96.0.$(($1 + 1)) MASTER_PORT=$PORT RANK=$rank \
+            WORLD_SIZE=$world LOCAL_RANK=$rank GLOO_SOCKET_IFNAME="${BRIDGE_DEV[$h]}" timeout 120 \
             "$WORKER" check text 1 2 "$root" auto hosts > "$WORK/rank$rank.log" 2>&1 &
         PIDS+=($!)
+        rank=$((rank + 1))
     done
-    for rank in 0 1 2 3 4; do
-        wait "${PIDS[$rank]}" || { status=1; echo "shm_netns_test: rank $rank failed (2 + 2 + 1, root $root):"; }
+    for rank in $(seq 0 $((world - 1))); do
+        wait "${PIDS[$rank]}" || { status=1; echo "shm_netns_test: rank $rank failed (hosts $*, root $root):"; }
         sed "s/^/  rank $rank: /" "$WORK/rank$rank.log"
     done
     return $status
 }
-bridge_check 4 || fail "transport automatic over 2 + 2 + 1 ranks, the root alone on its host"
-bridge_check 2 || fail "transport automatic over 2 + 2 + 1 ranks, the root on the second host"
+bridge_check 4 0 0 1 1 2 || fail "transport automatic over 2 + 2 + 1 ranks, the root alone on its host"
+bridge_check 2 0 0 1 1 2 || fail "transport automatic over 2 + 2 + 1 ranks, the root on the second host"
+bridge_check 1 0 1 2 || fail "transport automatic over three hosts of one rank each"
 echo "shm_netns_test: PASSED"

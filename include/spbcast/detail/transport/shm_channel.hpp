@@ -739,11 +739,12 @@ inline std::string transport_disagreement(const std::vector<transport_mode>& mod
 // chunk C on links of rate b (docs/transports.md): Gloo's broadcast sends every rank its own copy,
 // so a host's link carries one copy per rank there, in ceil(log2 ranks) rounds; the chain carries
 // one copy per link, all links at once, in (B + (H - 2) C) / b. The chain is ahead wherever a host
-// has a second rank: fewer copies over that host's link, shared pages on the root's. It needs
-// one: with every rank alone on its host there are no shared pages to relay into (the handshake
-// falls back to the network path under transport_mode::hierarchical too).
+// has a second rank (fewer copies over that host's link, shared pages on the root's) and over
+// three hosts or more (one copy's time against two rounds or more). With one rank on each of two
+// hosts both send the one copy once, and the network path needs no socket or segment.
 inline bool relay_is_faster(const std::vector<relay_host>& hosts) {
-    return std::any_of(hosts.begin(), hosts.end(), [](const relay_host& h) { return !h.members.empty(); });
+    return hosts.size() >= 3 ||
+           std::any_of(hosts.begin(), hosts.end(), [](const relay_host& h) { return !h.members.empty(); });
 }
 
 // The hosts of a group that spans hosts, from the answers every rank holds: the root's host
@@ -767,8 +768,9 @@ inline std::vector<relay_host> hosts_of(const handshake_offer& offer, const std:
     }
     if (hosts.size() == 1 || !offer.relays) return {};
     if (offer.transport == static_cast<std::uint32_t>(transport_mode::automatic) && !relay_is_faster(hosts)) {
-        why_not = "every rank of the group is alone on its host: there are no shared pages to relay into, and "
-                  "Gloo's broadcast sends each host its one copy";
+        why_not = "the group is one rank on each of two hosts, where the relay and the network path send the same "
+                  "one copy (transport_mode::automatic takes the network path there; pass "
+                  "transport_mode::hierarchical to relay anyway)";
         return {};
     }
     return hosts;
@@ -890,7 +892,10 @@ std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options
         }
     }
     listener.reset();  // the name disappears; nobody else can connect
-    state->shared = std::any_of(decided.begin(), decided.end(), [](const relay_host& h) { return !h.members.empty(); });
+    // Across hosts the relay runs even where every rank is alone on its host (each gets the
+    // payload into memory of its own); on one host the path needs a follower that maps.
+    state->shared = spans_hosts || std::any_of(decided.begin(), decided.end(),
+                                               [](const relay_host& h) { return !h.members.empty(); });
     for (const relay_host& host : decided) {
         const bool here = host.leader == rank || std::find(host.members.begin(), host.members.end(), rank) != host.members.end();
         if (here) state->leader = host.leader;
