@@ -211,8 +211,8 @@ class LeaderLoader:
             raise Error(where + "build_on_every_rank must be a callable (its result is passed to "
                         "make_loader)", "invalid_argument")
         if transport not in _TRANSPORTS:
-            raise Error(where + f"transport must be 'auto', 'network' or 'shared_memory' (got "
-                        f"{transport!r})", "invalid_argument")
+            raise Error(where + "transport must be 'auto', 'network', 'shared_memory' or 'hierarchical' "
+                        f"(got {transport!r})", "invalid_argument")
         _seconds(timeout)  # refused here, on every rank, rather than in the first broadcast
 
         self.total_epoch = total_epoch
