@@ -239,11 +239,12 @@ std::chrono::milliseconds to_milliseconds(double seconds) {
     return std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(seconds * 1000.0 + 0.5)));
 }
 
-// The options of one broadcast; the Python side has validated every value. Unset seconds keep
-// the C++ defaults (timeout 5 minutes; root_wait 0, which means timeout).
+// The options of one broadcast; the Python side has validated every value. Unset values keep
+// the C++ defaults (timeout 5 minutes; root_wait 0, which means timeout; relay chunks of 4 MiB).
 // transport: "auto", "network", "shared_memory" or "hierarchical" (spbcast::transport_mode).
 spbcast::options make_options(int root, std::optional<double> timeout_s, std::optional<double> root_wait_s,
-                              bool checksum, const std::string& transport) {
+                              bool checksum, const std::string& transport,
+                              std::optional<std::size_t> relay_chunk_bytes = std::nullopt) {
     spbcast::options opts;
     opts.root = root;
     opts.checksum = checksum;
@@ -253,6 +254,7 @@ spbcast::options make_options(int root, std::optional<double> timeout_s, std::op
                                                     : spbcast::transport_mode::automatic;
     if (timeout_s) opts.timeout = to_milliseconds(*timeout_s);
     if (root_wait_s) opts.root_wait = to_milliseconds(*root_wait_s);
+    if (relay_chunk_bytes) opts.relay_chunk_bytes = *relay_chunk_bytes;
     return opts;
 }
 
@@ -266,9 +268,10 @@ struct wire_value {
 // Returns the root's value on followers, None on the root.
 py::object broadcast(py::handle group, const std::string& group_name, const wire_value* value,
                      int root, std::optional<double> timeout_s, bool checksum, bool use_registry,
-                     const std::string& transport, std::optional<double> root_wait_s) {
+                     const std::string& transport, std::optional<double> root_wait_s,
+                     std::optional<std::size_t> relay_chunk_bytes) {
     auto pg = resolve_group(group, group_name, use_registry);
-    const spbcast::options opts = make_options(root, timeout_s, root_wait_s, checksum, transport);
+    const spbcast::options opts = make_options(root, timeout_s, root_wait_s, checksum, transport, relay_chunk_bytes);
     const bool is_root = pg->getRank() == root;
     if (is_root && value == nullptr)
         throw py::value_error("spbcast: the root must pass its converted value");
@@ -353,6 +356,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     // The core's default bounds, which the Python encoder checks first to name the Python path.
     m.attr("MAX_STRING_BYTES") = spbcast::limits{}.max_string_bytes;
     m.attr("MAX_IVALUE_DEPTH") = spbcast::limits{}.max_depth;
+    // The core clamps options.relay_chunk_bytes to at most this; Python caps a larger int here
+    // too, so that any positive int fits a size_t.
+    m.attr("MAX_RELAY_CHUNK_BYTES") = spbcast::detail::max_relay_chunk_bytes;
     py::class_<wire_value>(m, "WireValue");
     m.def("to_wire", [](py::handle tree) { return wire_value{to_ivalue(tree)}; }, py::arg("tree"));
     // The tree a follower's decoder gets for a tree the root converted, without a group: for
@@ -368,7 +374,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("broadcast", &broadcast, py::arg("group"), py::arg("group_name"),
           py::arg("value").none(true), py::arg("root"), py::arg("timeout_s"), py::arg("checksum"),
           py::arg("use_registry") = false, py::arg("transport") = "auto",
-          py::arg("root_wait_s") = py::none());
+          py::arg("root_wait_s") = py::none(), py::arg("relay_chunk_bytes") = py::none());
     py::class_<python_keep_alive>(m, "KeepAlive")
         .def(py::init([](py::handle group, const std::string& group_name, int root,
                          std::optional<double> timeout_s, bool use_registry, const std::string& transport) {
