@@ -23,6 +23,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if !SPBCAST_TORCH_AT_LEAST(2, 0)
@@ -328,6 +329,19 @@ std::optional<bool> same_host_path(py::handle group, const std::string& group_na
     return state->shared;
 }
 
+// The hosts the hierarchical path relays to for (group, root) on this rank, the root's first,
+// each as (host leader, its other ranks) in group ranks; None where this rank does not relay
+// (not decided yet, one host, or the network path). For the tests: they check the path taken.
+std::optional<std::vector<std::pair<int, std::vector<int>>>> relay_hosts(py::handle group, const std::string& group_name,
+                                                                         int root, bool use_registry) {
+    auto pg = resolve_group(group, group_name, use_registry);
+    const auto state = spbcast::detail::same_host_registry::instance().find(pg.get(), root);
+    if (!state || !state->shared || !state->relays()) return std::nullopt;
+    std::vector<std::pair<int, std::vector<int>>> hosts;
+    for (const auto& host : state->hosts) hosts.emplace_back(host.leader, host.members);
+    return hosts;
+}
+
 // A spbcast::shared_memory_scope that Python opens and closes (spbcast.shared_memory). close()
 // and the destructor (the Python object collected unclosed) end the C++ scope exactly once,
 // whichever thread runs them.
@@ -400,6 +414,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return false;  // an exception in the block propagates
         });
     m.def("same_host_path", &same_host_path, py::arg("group"), py::arg("group_name"), py::arg("root"),
+          py::arg("use_registry") = false);
+    m.def("relay_hosts", &relay_hosts, py::arg("group"), py::arg("group_name"), py::arg("root"),
           py::arg("use_registry") = false);
     // For the tests: whether torch's binding hands over the C++ group (the registry is not used).
     m.def("binding_cast_works", [](py::handle group) {

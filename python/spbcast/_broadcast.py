@@ -114,6 +114,18 @@ def _same_host_path(group, src):
     return _C.same_host_path(pg, pg.group_name, root, False)
 
 
+def _relay_hosts(group, src):
+    """The hosts broadcasts from ``src`` on ``group`` relay to on the hierarchical path, the
+    root's first, each as ``(host leader, [its other ranks])`` in global ranks; None where this
+    rank does not relay (not decided yet, one host, or the network path)."""
+    pg, _, root = _group_and_root(group, src)
+    hosts = _C.relay_hosts(pg, pg.group_name, root, False)
+    if hosts is None:
+        return None
+    ranks = dist.get_process_group_ranks(pg)
+    return [(ranks[leader], [ranks[m] for m in members]) for leader, members in hosts]
+
+
 def broadcast(obj, group=None, src=0, *, timeout=None, root_wait=None, checksum=False,
               transport="auto", relay_chunk_bytes=None, _use_registry=False, _name="batch",
               _decode=True):
