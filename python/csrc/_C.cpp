@@ -23,6 +23,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if !SPBCAST_TORCH_AT_LEAST(2, 0)
@@ -239,11 +240,12 @@ std::chrono::milliseconds to_milliseconds(double seconds) {
     return std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(seconds * 1000.0 + 0.5)));
 }
 
-// The options of one broadcast; the Python side has validated every value. Unset seconds keep
-// the C++ defaults (timeout 5 minutes; root_wait 0, which means timeout).
+// The options of one broadcast; the Python side has validated every value. Unset values keep
+// the C++ defaults (timeout 5 minutes; root_wait 0, which means timeout; relay chunks of 4 MiB).
 // transport: "auto", "network", "shared_memory" or "hierarchical" (spbcast::transport_mode).
 spbcast::options make_options(int root, std::optional<double> timeout_s, std::optional<double> root_wait_s,
-                              bool checksum, const std::string& transport) {
+                              bool checksum, const std::string& transport,
+                              std::optional<std::size_t> relay_chunk_bytes = std::nullopt) {
     spbcast::options opts;
     opts.root = root;
     opts.checksum = checksum;
@@ -253,6 +255,7 @@ spbcast::options make_options(int root, std::optional<double> timeout_s, std::op
                                                     : spbcast::transport_mode::automatic;
     if (timeout_s) opts.timeout = to_milliseconds(*timeout_s);
     if (root_wait_s) opts.root_wait = to_milliseconds(*root_wait_s);
+    if (relay_chunk_bytes) opts.relay_chunk_bytes = *relay_chunk_bytes;
     return opts;
 }
 
@@ -266,9 +269,10 @@ struct wire_value {
 // Returns the root's value on followers, None on the root.
 py::object broadcast(py::handle group, const std::string& group_name, const wire_value* value,
                      int root, std::optional<double> timeout_s, bool checksum, bool use_registry,
-                     const std::string& transport, std::optional<double> root_wait_s) {
+                     const std::string& transport, std::optional<double> root_wait_s,
+                     std::optional<std::size_t> relay_chunk_bytes) {
     auto pg = resolve_group(group, group_name, use_registry);
-    const spbcast::options opts = make_options(root, timeout_s, root_wait_s, checksum, transport);
+    const spbcast::options opts = make_options(root, timeout_s, root_wait_s, checksum, transport, relay_chunk_bytes);
     const bool is_root = pg->getRank() == root;
     if (is_root && value == nullptr)
         throw py::value_error("spbcast: the root must pass its converted value");
@@ -325,6 +329,19 @@ std::optional<bool> same_host_path(py::handle group, const std::string& group_na
     return state->shared;
 }
 
+// The hosts the hierarchical path relays to for (group, root) on this rank, the root's first,
+// each as (host leader, its other ranks) in group ranks; None where this rank does not relay
+// (not decided yet, one host, or the network path). For the tests: they check the path taken.
+std::optional<std::vector<std::pair<int, std::vector<int>>>> relay_hosts(py::handle group, const std::string& group_name,
+                                                                         int root, bool use_registry) {
+    auto pg = resolve_group(group, group_name, use_registry);
+    const auto state = spbcast::detail::same_host_registry::instance().find(pg.get(), root);
+    if (!state || !state->shared || !state->relays()) return std::nullopt;
+    std::vector<std::pair<int, std::vector<int>>> hosts;
+    for (const auto& host : state->hosts) hosts.emplace_back(host.leader, host.members);
+    return hosts;
+}
+
 // A spbcast::shared_memory_scope that Python opens and closes (spbcast.shared_memory). close()
 // and the destructor (the Python object collected unclosed) end the C++ scope exactly once,
 // whichever thread runs them.
@@ -353,6 +370,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     // The core's default bounds, which the Python encoder checks first to name the Python path.
     m.attr("MAX_STRING_BYTES") = spbcast::limits{}.max_string_bytes;
     m.attr("MAX_IVALUE_DEPTH") = spbcast::limits{}.max_depth;
+    // The core clamps options.relay_chunk_bytes to at most this; Python caps a larger int here
+    // too, so that any positive int fits a size_t.
+    m.attr("MAX_RELAY_CHUNK_BYTES") = spbcast::detail::max_relay_chunk_bytes;
     py::class_<wire_value>(m, "WireValue");
     m.def("to_wire", [](py::handle tree) { return wire_value{to_ivalue(tree)}; }, py::arg("tree"));
     // The tree a follower's decoder gets for a tree the root converted, without a group: for
@@ -368,7 +388,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("broadcast", &broadcast, py::arg("group"), py::arg("group_name"),
           py::arg("value").none(true), py::arg("root"), py::arg("timeout_s"), py::arg("checksum"),
           py::arg("use_registry") = false, py::arg("transport") = "auto",
-          py::arg("root_wait_s") = py::none());
+          py::arg("root_wait_s") = py::none(), py::arg("relay_chunk_bytes") = py::none());
     py::class_<python_keep_alive>(m, "KeepAlive")
         .def(py::init([](py::handle group, const std::string& group_name, int root,
                          std::optional<double> timeout_s, bool use_registry, const std::string& transport) {
@@ -394,6 +414,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return false;  // an exception in the block propagates
         });
     m.def("same_host_path", &same_host_path, py::arg("group"), py::arg("group_name"), py::arg("root"),
+          py::arg("use_registry") = false);
+    m.def("relay_hosts", &relay_hosts, py::arg("group"), py::arg("group_name"), py::arg("root"),
           py::arg("use_registry") = false);
     // For the tests: whether torch's binding hands over the C++ group (the registry is not used).
     m.def("binding_cast_works", [](py::handle group) {

@@ -84,6 +84,16 @@ def _check_transport(transport):
                          f"not {transport!r}")
 
 
+def _relay_chunk_bytes(value, where="spbcast: "):
+    """options.relay_chunk_bytes from a positive int; None keeps the C++ default (4 MiB). The
+    core clamps it to 64 KiB .. 1 GiB; a larger int is capped here so that it fits a size_t."""
+    if value is None:
+        return None
+    if type(value) is not int or value <= 0:
+        raise ValueError(where + f"relay_chunk_bytes must be a positive int of bytes (got {value!r})")
+    return min(value, _C.MAX_RELAY_CHUNK_BYTES)
+
+
 def _keep_alive(group, src, *, timeout=None, transport="auto"):
     """A context manager: while it is open on ``src``, a C++ thread sends the followers a
     keep-alive frame every ``timeout / 4``, so followers already waiting in the next broadcast
@@ -104,8 +114,21 @@ def _same_host_path(group, src):
     return _C.same_host_path(pg, pg.group_name, root, False)
 
 
+def _relay_hosts(group, src):
+    """The hosts broadcasts from ``src`` on ``group`` relay to on the hierarchical path, the
+    root's first, each as ``(host leader, [its other ranks])`` in global ranks; None where this
+    rank does not relay (not decided yet, one host, or the network path)."""
+    pg, _, root = _group_and_root(group, src)
+    hosts = _C.relay_hosts(pg, pg.group_name, root, False)
+    if hosts is None:
+        return None
+    ranks = dist.get_process_group_ranks(pg)
+    return [(ranks[leader], [ranks[m] for m in members]) for leader, members in hosts]
+
+
 def broadcast(obj, group=None, src=0, *, timeout=None, root_wait=None, checksum=False,
-              transport="auto", _use_registry=False, _name="batch", _decode=True):
+              transport="auto", relay_chunk_bytes=None, _use_registry=False, _name="batch",
+              _decode=True):
     """Sends ``obj`` from the global rank ``src`` to every rank of ``group`` and returns it.
 
     On ``src`` the very object passed is returned; on every other rank an identical copy on the
@@ -123,6 +146,11 @@ def broadcast(obj, group=None, src=0, *, timeout=None, root_wait=None, checksum=
     transport: "auto" (shared memory where the whole group shares a host, the hierarchical path
     where it spans hosts with two ranks or more on some host, else the network), "network",
     "shared_memory" or "hierarchical" (docs/transports.md).
+    relay_chunk_bytes: on the hierarchical path the payload moves from host leader to host
+    leader in chunks of this many bytes, each forwarded as it lands, and every wait covers one
+    chunk: smaller chunks fill the chain sooner and bound each wait tighter, larger ones cost
+    fewer messages. A positive int; None: 4 MiB. The root's value is used, clamped to
+    64 KiB .. 1 GiB (C++ ``options.relay_chunk_bytes``).
 
     Raises spbcast.Error (``.code`` says why) on every rank when the value cannot be sent
     (followers raise spbcast.RemoteError with the root's message); the group stays usable. A
@@ -130,6 +158,7 @@ def broadcast(obj, group=None, src=0, *, timeout=None, root_wait=None, checksum=
     spbcast.allow_classes / allow_modules) raises spbcast.SchemaError alone, after the transfer.
     """
     _check_transport(transport)
+    chunk = _relay_chunk_bytes(relay_chunk_bytes)
     pg, rank, root = _group_and_root(group, src)
     seconds = _seconds(timeout)
     wait = _seconds(root_wait, "root_wait", zero_is_unset=True)  # 0: as long as timeout
@@ -145,13 +174,13 @@ def broadcast(obj, group=None, src=0, *, timeout=None, root_wait=None, checksum=
                 f"spbcast: rank {me}: cannot send {_name}: reading it raised "
                 f"{type(e).__name__}: {e}", "unsupported_value")
             _core_broadcast(pg, name, _C.to_wire(_wire.error_envelope(error)), root, seconds,
-                         checksum, _use_registry, transport, wait)
+                         checksum, _use_registry, transport, wait, chunk)
             if error is e:
                 raise
             raise error from e
-        _core_broadcast(pg, name, wire, root, seconds, checksum, _use_registry, transport, wait)
+        _core_broadcast(pg, name, wire, root, seconds, checksum, _use_registry, transport, wait, chunk)
         return obj
-    envelope = _core_broadcast(pg, name, None, root, seconds, checksum, _use_registry, transport, wait)
+    envelope = _core_broadcast(pg, name, None, root, seconds, checksum, _use_registry, transport, wait, chunk)
     if not _decode:  # the caller decodes the body (in wire form) itself: LeaderLoader's steps
         return _wire.open_envelope(envelope, dist.get_rank(), src)
     return _wire.decode(envelope, dist.get_rank(), src, _name)

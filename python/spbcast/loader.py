@@ -23,7 +23,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ._broadcast import _TRANSPORTS, _group_and_root, _keep_alive, _same_host_path, _seconds, broadcast
+from ._broadcast import (_TRANSPORTS, _group_and_root, _keep_alive, _relay_chunk_bytes, _same_host_path, _seconds,
+                         broadcast)
 from ._shared_memory import shared_memory
 from ._wire import decode_body
 from .errors import Error, RemoteError, TransportError
@@ -156,6 +157,9 @@ class LeaderLoader:
     transport: how batches travel, as in ``spbcast.broadcast``: "auto" (the same-host path where
         the SP group shares a host, the hierarchical path where it spans hosts), "network",
         "shared_memory" or "hierarchical".
+    relay_chunk_bytes: the chunk in which the hierarchical path relays each batch from host
+        leader to host leader, as in ``spbcast.broadcast``: a positive int; None: 4 MiB. The
+        leader's value is used, clamped to 64 KiB .. 1 GiB.
     leader_allocates_in_shared_memory: on the same-host path the leader fetches each batch inside
         ``spbcast.shared_memory()``, so the batch's large tensors are born in shared memory and
         the broadcast copies nothing. Off (or with transport "network", or where the group took
@@ -170,7 +174,7 @@ class LeaderLoader:
     def __init__(self, make_loader, sp_group=None, *, sp_media_dedup, total_epoch=None,
                  total_step=None, first_epoch=0, set_epoch="auto", build_on_every_rank=None,
                  state_hooks=None, tp_size=1, timeout=None, transport="auto",
-                 leader_allocates_in_shared_memory=True):
+                 relay_chunk_bytes=None, leader_allocates_in_shared_memory=True):
         # Checked on every rank before any collective, so a bad configuration is one clear error
         # everywhere rather than a rank stuck in a collective.
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -211,9 +215,10 @@ class LeaderLoader:
             raise Error(where + "build_on_every_rank must be a callable (its result is passed to "
                         "make_loader)", "invalid_argument")
         if transport not in _TRANSPORTS:
-            raise Error(where + f"transport must be 'auto', 'network' or 'shared_memory' (got "
-                        f"{transport!r})", "invalid_argument")
+            raise Error(where + "transport must be 'auto', 'network', 'shared_memory' or 'hierarchical' "
+                        f"(got {transport!r})", "invalid_argument")
         _seconds(timeout)  # refused here, on every rank, rather than in the first broadcast
+        _relay_chunk_bytes(relay_chunk_bytes, where)
 
         self.total_epoch = total_epoch
         self.total_step = total_step
@@ -226,6 +231,7 @@ class LeaderLoader:
         self.state_hooks = state_hooks
         self.timeout = timeout
         self.transport = transport
+        self.relay_chunk_bytes = relay_chunk_bytes
         self.leader_allocates_in_shared_memory = bool(leader_allocates_in_shared_memory)
         self.epoch = first_epoch
         self.step = 0
@@ -282,7 +288,7 @@ class LeaderLoader:
             except Exception as e:  # noqa: BLE001 - sent to the followers, re-raised below
                 init["error"] = f"{type(e).__name__}: {e}"
         init = broadcast(init, self.group, self._leader, timeout=timeout, transport=transport,
-                         _name="loader_init")
+                         relay_chunk_bytes=relay_chunk_bytes, _name="loader_init")
         if init["error"] is not None:
             raise Error(self._where() + f": the SP leader (rank {self._leader}) failed building "
                         "the data loader: " + init["error"], "loader")
@@ -442,7 +448,7 @@ class LeaderLoader:
         error: the step's draws and counters reach every rank. A refused batch counts as a step
         (the loader produced it): a trainer that skips it goes on at the same step everywhere."""
         name = f"step[{envelope['step']}]"
-        kw = dict(timeout=self.timeout, transport=self.transport)
+        kw = dict(timeout=self.timeout, transport=self.transport, relay_chunk_bytes=self.relay_chunk_bytes)
         try:
             received = broadcast(envelope, self.group, self._leader, _name=name, _decode=False, **kw)
         except TransportError:

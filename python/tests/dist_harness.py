@@ -15,8 +15,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank, world, init_file, fn, args):
+def _entry(rank, world, init_file, fn, args, prepare):
     torch.set_num_threads(1)
+    if prepare is not None:
+        prepare(rank)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
@@ -25,10 +27,12 @@ def _entry(rank, world, init_file, fn, args):
         dist.destroy_process_group()
 
 
-def run(world, fn, *args, timeout=120):
+def run(world, fn, *args, timeout=120, prepare=None):
+    """prepare: a picklable callable run as prepare(rank) in each rank before it joins the group
+    (test_hosts.py moves each rank into its "host" there)."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
-        ctx = mp.start_processes(_entry, args=(world, init_file, fn, args), nprocs=world,
+        ctx = mp.start_processes(_entry, args=(world, init_file, fn, args, prepare), nprocs=world,
                                  join=False, start_method="spawn")
         end = time.monotonic() + timeout
         try:
