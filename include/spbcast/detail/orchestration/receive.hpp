@@ -437,9 +437,14 @@ void receive(collective<Group>& c, T& value, same_host_state* same_host = nullpt
         if (same_host->leader == c.rank())
             segment_slots = relay_in(c, *same_host, header, body, slots, relay_failure);
     }
+    // A follower on the root's host holds its batch before the root relays it on: it waits for
+    // the root's relay reports before this broadcast ends, whatever it does with the batch.
+    const bool beside_relaying_root = (header.flags & relayed) && same_host && same_host->leader == c.opts().root &&
+                                      c.rank() != c.opts().root;
     std::optional<parsed_frame> frame;
     if (const auto refusal = accept_frame<T>(c, header, body, slots, same_host, frame, segment_slots, relay_failure)) {
         const std::vector<std::uint8_t> trailer = drain_payload(c, header, slots);
+        if (beside_relaying_root) await_root_relay(c, *same_host, header.sequence);
         read_trailer(header, trailer, c.where(), static_cast<int>(header.root));  // the root's error first
         std::rethrow_exception(refusal);
     }
@@ -466,6 +471,7 @@ void receive(collective<Group>& c, T& value, same_host_state* same_host = nullpt
     }
     if (trailer_size != 0) c.launch(trailer, "status trailer");
     c.wait_all();
+    if (beside_relaying_root) await_root_relay(c, *same_host, header.sequence);
     const auto* trailer_data = static_cast<const std::uint8_t*>(trailer.data_ptr());
     const auto trailer_checksums = read_trailer(header, std::vector<std::uint8_t>(trailer_data, trailer_data + trailer_size),
                                                 c.where(), static_cast<int>(header.root));

@@ -123,7 +123,7 @@ void send(collective<Group>& c, const T& value, same_host_state* same_host = nul
     send_frame(c, header, body.bytes());
     if (relays) {
         try {
-            relay_to_hosts(c, *same_host, placed->layout, placed->pieces);
+            relay_to_hosts(c, *same_host, placed->layout, placed->pieces, c.sequence());
         } catch (...) {
             // The backend may still read the batch's segment: it is never reused or unmapped.
             if (placed->held.id) shm_pool::instance().abandon(*std::exchange(placed->held.id, std::nullopt));

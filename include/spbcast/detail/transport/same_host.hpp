@@ -350,21 +350,103 @@ inline std::string relay_phase(std::size_t k, std::size_t chunks, int from, int 
     return "relay chunk " + std::to_string(k + 1) + "/" + std::to_string(chunks) + " from " + who(from) + " to " + who(to);
 }
 
+// A host leader (the root included): tells the ranks of its host how the relay goes. Without a
+// bound it does not wait (a follower that is not listening now needs no progress report); the
+// root's last report, which its followers wait for, waits up to `bound`. `total`: the relay's
+// chunk count, in the root's reports only.
+inline void tell_followers(same_host_state& state, shm_message_kind kind, std::uint64_t sequence,
+                           std::uint64_t chunks, const std::string& text = {}, std::uint64_t total = 0,
+                           std::chrono::milliseconds bound = std::chrono::milliseconds(-1)) {
+    shm_message m;
+    m.kind = kind;
+    m.sequence = sequence;
+    m.capacity = chunks;
+    std::memcpy(m.ids, text.data(), std::min(text.size(), sizeof m.ids - 1));
+    if (text.empty()) m.ids[0] = total;
+    for (auto& l : state.links)
+        if (l.alive) send_message(l.sock.get(), m, {}, bound);
+}
+
 // Root, after the frame: the used bytes of every segment the frame describes go to the next
-// host's leader, chunk by chunk.
+// host's leader, chunk by chunk. The followers of the root's host, which hold their batch
+// already, hear how the relay goes (at least every options.timeout / 4 and at its end), so none
+// of them waits for the whole relay in one wait: the root's next frame comes only after it.
 template <class Group>
-void relay_to_hosts(collective<Group>& c, const same_host_state& state, const segment_layout& layout,
-                    const std::vector<at::Tensor>& pieces) {
+void relay_to_hosts(collective<Group>& c, same_host_state& state, const segment_layout& layout,
+                    const std::vector<at::Tensor>& pieces, std::uint64_t sequence) {
     const int root = c.opts().root, next = relay_neighbours(state, root).second;
     if (next < 0) return;
     const relay_plan plan(layout);
-    for (std::size_t k = 0; k < plan.chunks.size(); ++k) {
-        const auto& chunk = plan.chunks[k];
-        c.launch_point_to_point(pieces[chunk.segment].narrow(0, static_cast<std::int64_t>(chunk.source),
-                                                             static_cast<std::int64_t>(chunk.bytes)),
-                                next, true, relay_phase(k, plan.chunks.size(), root, next, root));
+    const std::uint64_t n = plan.chunks.size();
+    const auto every = c.opts().timeout / 4;
+    try {
+        std::vector<std::size_t> sent(n);
+        for (std::size_t k = 0; k < n; ++k) {
+            const auto& chunk = plan.chunks[k];
+            sent[k] = c.launched();
+            c.launch_point_to_point(pieces[chunk.segment].narrow(0, static_cast<std::int64_t>(chunk.source),
+                                                                 static_cast<std::int64_t>(chunk.bytes)),
+                                    next, true, relay_phase(k, n, root, next, root));
+        }
+        auto reported = std::chrono::steady_clock::now();
+        for (std::size_t k = 0; k < n; ++k) {
+            c.wait_through(sent[k]);
+            const auto now = std::chrono::steady_clock::now();
+            if (k + 1 == n) {
+                c.wait_all();
+                tell_followers(state, shm_message_kind::relay_progress, sequence, n, {}, n, c.opts().timeout);
+            } else if (now - reported >= every) {
+                tell_followers(state, shm_message_kind::relay_progress, sequence, k + 1, {}, n);
+                reported = now;
+            }
+        }
+    } catch (const std::exception& e) {
+        tell_followers(state, shm_message_kind::relay_failed, sequence, 0, e.what(), n, c.opts().timeout);
+        throw;
     }
-    c.wait_all();
+}
+
+// A follower on the root's host, once it holds a relayed batch: waits for the root's reports
+// until the relay is out, each report within options.timeout (and the grace the root's own
+// wait for a chunk may take), so its next broadcast waits for the root's next batch, not for
+// this relay. A relay that failed breaks the group with the root's message; this rank is alive.
+template <class Group>
+void await_root_relay(collective<Group>& c, same_host_state& state, std::uint64_t sequence) {
+    if (!state.link) return;
+    const auto wait = c.opts().timeout + 2 * wait_grace;
+    std::uint64_t sent = 0;
+    for (;;) {
+        shm_message m;
+        std::vector<owned_fd> fds;
+        const auto status = receive_message(state.link->socket(), m, fds, wait);
+        const std::string progress = " (" + std::to_string(sent) + " chunks had left)";
+        if (status == receive_status::closed)
+            c.break_group(errc::transport,
+                          c.where() + ": the root's same-host socket closed while it relayed this batch to the other "
+                                      "hosts" + progress + " - it has probably died; restart the job",
+                          "relay");
+        if (status == receive_status::timed_out)
+            c.break_group(errc::timeout,
+                          c.where() + ": the root reported no further relay chunk sent to the next host within "
+                                      "options.timeout" + progress + " - a peer is gone or stalled; restart the job",
+                          "relay");
+        if (status != receive_status::ok ||
+            (m.kind != shm_message_kind::relay_progress && m.kind != shm_message_kind::relay_failed))
+            c.break_group(errc::out_of_step,
+                          c.where() + ": the root's same-host socket delivered something other than a relay report "
+                                      "while it relayed this batch; restart the job",
+                          "relay");
+        if (m.sequence != sequence) continue;  // an earlier batch's: stale
+        if (m.kind == shm_message_kind::relay_failed) {
+            const char* text = reinterpret_cast<const char*>(m.ids);
+            c.break_group(errc::transport,
+                          c.where() + ": the root is alive but could not relay this batch to the other hosts: " +
+                              std::string(text, strnlen(text, sizeof m.ids)) + " - restart the job",
+                          "relay");
+        }
+        sent = m.capacity;
+        if (m.ids[0] != 0 && sent >= m.ids[0]) return;
+    }
 }
 
 // Follower: the descriptors the root sent ahead of this frame; each is reported back as
@@ -428,9 +510,11 @@ segment_delivery take_segments(collective<Group>& c, same_host_state* state, std
                                  std::to_string(chunks_landed) + " had)"
                            : "no segment descriptors arrived within options.timeout");
         const auto kind = d.message.kind;
-        if (status == receive_status::ok && relayed &&
+        if (status == receive_status::ok &&
             (kind == shm_message_kind::relay_progress || kind == shm_message_kind::relay_failed)) {
-            if (d.message.sequence != sequence) continue;  // another broadcast's: stale
+            // Another broadcast's report, or the root's about an earlier relay (one this rank
+            // refused or left early): stale.
+            if (!relayed || d.message.sequence != sequence) continue;
             if (kind == shm_message_kind::relay_progress) {
                 chunks_landed = d.message.capacity;  // the leader is relaying: a fresh wait
                 continue;
@@ -512,19 +596,6 @@ std::vector<at::Tensor> map_segments(collective<Group>& c, segment_delivery& d, 
     }
     d.fds.clear();
     return slots_over(mappings, layout, slots);
-}
-
-// A host leader other than the root: tells its followers how the relay goes, without waiting
-// (a follower that is not listening now needs no progress report).
-inline void tell_followers(same_host_state& state, shm_message_kind kind, std::uint64_t sequence,
-                           std::uint64_t chunks, const std::string& text = {}) {
-    shm_message m;
-    m.kind = kind;
-    m.sequence = sequence;
-    m.capacity = chunks;
-    std::memcpy(m.ids, text.data(), std::min(text.size(), sizeof m.ids - 1));
-    for (auto& l : state.links)
-        if (l.alive) send_message(l.sock.get(), m, {}, std::chrono::milliseconds(-1));
 }
 
 // Host leader: receives the relay chunks from the host leader before it in the chain into

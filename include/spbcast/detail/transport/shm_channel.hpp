@@ -59,9 +59,11 @@ inline constexpr std::uint32_t shm_message_magic = 0x4D485353;  // "SSHM"
 // sent before its frame. released / forked: a follower's answers, several ids each; forked
 // means a child forked since the segment was mapped may still map it (fork_safety.hpp).
 // relay_progress: a host leader on another host has one more chunk of the broadcast `sequence`
-// (count: chunks landed so far); its followers wait for each one in turn, never for the whole
-// relay at once. relay_failed: that leader is alive but cannot finish the relay; `ids` holds
-// its error text (NUL-terminated), which its followers raise.
+// (capacity: chunks landed so far); its followers wait for each one in turn, never for the whole
+// relay at once. The root sends its host's followers the same reports of the chunks it has sent
+// (ids[0]: the relay's chunk count; the last report has capacity == ids[0]).
+// relay_failed: that leader (or the root) is alive but cannot finish the relay; `ids` holds its
+// error text (NUL-terminated), which its followers raise.
 enum class shm_message_kind : std::uint32_t {
     hello = 1, segments = 2, released = 3, forked = 4, relay_progress = 5, relay_failed = 6
 };

@@ -15,7 +15,7 @@
 namespace spbcast::detail {
 
 inline constexpr std::uint32_t frame_magic = 0x43425053;  // "SPBC" in little-endian bytes
-inline constexpr std::uint16_t format_version = 7;
+inline constexpr std::uint16_t format_version = 8;
 inline constexpr std::size_t inline_frame_bytes = 8192;  // header + first body bytes
 
 // keep_alive: the root is still producing its batch; the real frame follows (keep_alive.hpp).
