@@ -46,6 +46,8 @@ struct loader_config {
     std::chrono::milliseconds timeout = std::chrono::minutes(5);
     // How batches travel: the same-host path where the SP group shares a host (docs/transports.md).
     transport_mode transport = transport_mode::automatic;
+    // Across hosts, the chunk each host leader forwards as it lands (options::relay_chunk_bytes).
+    std::size_t relay_chunk_bytes = options{}.relay_chunk_bytes;
     // On the same-host path the leader fetches each batch inside a spbcast::shared_memory_scope,
     // so the batch's large tensors are born in shared memory and the broadcast copies nothing
     // (the whole SP group holds one copy). Loaders that collate in worker threads open the
@@ -316,7 +318,9 @@ public:
 private:
     using pass_type = decltype(std::declval<Loader&>().begin());
 
-    options broadcast_options() const { return {.root = 0, .timeout = cfg_.timeout, .transport = cfg_.transport}; }
+    options broadcast_options() const {
+        return {.root = 0, .timeout = cfg_.timeout, .transport = cfg_.transport, .relay_chunk_bytes = cfg_.relay_chunk_bytes};
+    }
 
     // Whether the leader's broadcasts take the same-host path (decided by the first one).
     bool batches_in_shared_memory() {

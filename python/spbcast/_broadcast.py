@@ -144,7 +144,7 @@ def broadcast(obj, group=None, src=0, *, timeout=None, root_wait=None, checksum=
     this, not ``timeout`` (C++ ``options.root_wait``).
     checksum: verify the payload with a checksum per transfer slot.
     transport: "auto" (shared memory where the whole group shares a host, the hierarchical path
-    where it spans hosts with two ranks or more on some host, else the network), "network",
+    where it spans hosts, except one rank on each of two hosts, else the network), "network",
     "shared_memory" or "hierarchical" (docs/transports.md).
     relay_chunk_bytes: on the hierarchical path the payload moves from host leader to host
     leader in chunks of this many bytes, each forwarded as it lands, and every wait covers one
