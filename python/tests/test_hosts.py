@@ -202,9 +202,9 @@ def _hosts_ranks(rank, world, hosts):
 
     # LeaderLoader over the same group: only the SP leader (rank 0) loads, every rank gets its
     # batches, and each of its broadcasts carries the chunk (the timed ones above show that
-    # broadcast hands it to the core). Its timeout stays the default: a follower on the leader's
-    # host waits for a step's frame while the leader still relays the step before (about 1 s
-    # here), one wait that no chunk size shortens.
+    # broadcast hands it to the core), with the same short timeout: a step takes about 1 s to
+    # relay here, and a follower on the leader's host waits for the leader's relay reports, one
+    # at a time, not for the whole relay in its next step's wait.
     chunks = []
     real_broadcast = loader_module.broadcast
 
@@ -214,7 +214,8 @@ def _hosts_ranks(rank, world, hosts):
 
     loader_module.broadcast = recording  # this rank's process ends with the test
     expected = list(_make_loader())
-    loader = spbcast.LeaderLoader(_make_loader, None, sp_media_dedup=True, total_epoch=1, relay_chunk_bytes=CHUNK)
+    loader = spbcast.LeaderLoader(_make_loader, None, sp_media_dedup=True, total_epoch=1, relay_chunk_bytes=CHUNK,
+                                  timeout=TIMEOUT)
     assert (loader.loader is None) == (rank != 0)
     assert len(loader) == len(expected)
     got = list(loader)
