@@ -122,10 +122,12 @@ public:
     }
 
     // The same-host path: transferred slot `i` already lies in `slot_data[i]` (a mapping of the
-    // root's segment). In-place storages and large spans in a bucket are those bytes, with no
-    // copy; small spans are copied out (as allocate() does, so a small tensor kept alive pins
-    // no segment), gathered storages get memory of their own. Slots in the frame get buckets
-    // of their own, filled from the body like on the network path.
+    // root's segment). In-place storages and every span in a bucket are those bytes, with no
+    // copy: any tensor kept alive keeps its segment mapped anyway (a storage of 1 MiB or more is
+    // always in place), so copying the small spans out would only cost every follower a private
+    // copy of them (docs/transports.md, "What a kept tensor pins"). Gathered storages get memory
+    // of their own. Slots in the frame get buckets of their own, filled from the body like on
+    // the network path, with its copy-out rule.
     template <storage_memory Memory>
     void adopt_slots(std::vector<at::Tensor> slot_data, Memory& memory) {
         storage_data_.assign(storages_.size(), at::Tensor());
@@ -138,7 +140,7 @@ public:
                 storage_data_[slot.storages.front()] = bucket_data_[i];
                 continue;
             }
-            place_bucket_storages(i);
+            place_bucket_storages(i, slot.in_frame);
         }
         allocate_remaining_storages(memory);
         for (std::uint32_t i = 0; i < slots_.size(); ++i)
@@ -191,14 +193,15 @@ public:
     std::size_t tensor_count() const { return tensors_.size(); }
 
 private:
-    // The span storages of bucket `i`: a part of the bucket when they fill at least a quarter
-    // of it, else copied out on arrival (a small tensor kept alive must not pin its bucket).
-    void place_bucket_storages(std::uint32_t i) {
+    // The span storages of bucket `i`: a part of the bucket, or with `copy_small` (a bucket of
+    // memory of its own) copied out on arrival when they fill less than a quarter of it, so a
+    // small tensor kept alive does not pin its bucket.
+    void place_bucket_storages(std::uint32_t i, bool copy_small = true) {
         const slot_meta& slot = slots_[i];
         for (std::uint32_t s : slot.storages) {
             storage_meta& storage = storages_[s];
             if (storage.gather) continue;
-            storage.copied_out = storage.nbytes < slot.bytes / 4;
+            storage.copied_out = copy_small && storage.nbytes < slot.bytes / 4;
             if (!storage.copied_out)
                 storage_data_[s] = storage_within(bucket_data_[i], storage.slot_offset, storage.nbytes);
         }
