@@ -24,8 +24,18 @@ netns_init
 netns_pair sps 10.98.0.1 10.98.0.2
 PORT=29400  # a fresh namespace: nothing else listens there; one port per run
 
+# Waits for the $1 ranks in $PIDS and shows each one's log; fails if one failed ($2: the case).
+wait_ranks() {
+    local status=0 rank
+    for rank in $(seq 0 $(($1 - 1))); do
+        wait "${PIDS[$rank]}" || { status=1; echo "shm_netns_test: rank $rank failed $2:"; }
+        sed "s/^/  rank $rank: /" "$WORK/rank$rank.log"
+    done
+    return $status
+}
+
 run() {  # <world> <first rank in the second namespace> <root> <transport> <expect>
-    local world=$1 split=$2 root=$3 status=0
+    local world=$1 split=$2 root=$3
     PORT=$((PORT + 1))
     PIDS=()
     for rank in $(seq 0 $((world - 1))); do
@@ -36,11 +46,7 @@ run() {  # <world> <first rank in the second namespace> <root> <transport> <expe
             "$WORKER" check qwen3-vl-image 1 3 "$root" "$4" "$5" > "$WORK/rank$rank.log" 2>&1 &
         PIDS+=($!)
     done
-    for rank in $(seq 0 $((world - 1))); do
-        wait "${PIDS[$rank]}" || { status=1; echo "shm_netns_test: rank $rank failed ($world ranks, root $root, $4, expecting $5):"; }
-        sed "s/^/  rank $rank: /" "$WORK/rank$rank.log"
-    done
-    return $status
+    wait_ranks "$world" "($world ranks, root $root, $4, expecting $5)"
 }
 
 # automatic relays to a rank alone on its side too (the root's side still shares its pages), but
@@ -125,16 +131,13 @@ for rank in 0 1 2 3 4 5; do
     PIDS+=($!)
 done
 status=0
-for rank in 0 1 2 3 4 5; do
-    wait "${PIDS[$rank]}" || { status=1; echo "shm_netns_test: rank $rank failed on slow links:"; }
-    sed "s/^/  rank $rank: /" "$WORK/rank$rank.log"
-done
+wait_ranks 6 "on slow links" || status=1
 echo "shm_netns_test: 3 hosts x 2 ranks on 200 Mbit/s links: $(($(date +%s) - start)) s"
 [ $status = 0 ] || fail "96 MiB twice over 3 hosts on slow links with a 1 s timeout, or a view's bytes over the links"
 # Uneven hosts on the same bridge, under automatic, which relays over all three: 2 + 2 + 1 ranks
 # with the root alone on its host and then on a host of two, and one rank on each host.
 bridge_check() {  # <root> <host of rank 0> <host of rank 1> ...
-    local root=$1 status=0 world=$(($# - 1))
+    local root=$1 world=$(($# - 1))
     shift
     PORT=$((PORT + 1))
     PIDS=()
@@ -146,11 +149,7 @@ bridge_check() {  # <root> <host of rank 0> <host of rank 1> ...
         PIDS+=($!)
         rank=$((rank + 1))
     done
-    for rank in $(seq 0 $((world - 1))); do
-        wait "${PIDS[$rank]}" || { status=1; echo "shm_netns_test: rank $rank failed (hosts $*, root $root):"; }
-        sed "s/^/  rank $rank: /" "$WORK/rank$rank.log"
-    done
-    return $status
+    wait_ranks "$world" "(hosts $*, root $root)"
 }
 bridge_check 4 0 0 1 1 2 || fail "transport automatic over 2 + 2 + 1 ranks, the root alone on its host"
 bridge_check 2 0 0 1 1 2 || fail "transport automatic over 2 + 2 + 1 ranks, the root on the second host"

@@ -19,22 +19,16 @@ import gc
 import json
 import os
 
-import pytest
 import torch
 import torch.distributed as dist
 
 from batches import assert_same, assert_same_aliasing
 from dist_harness import run
 from loader_data import xtuner_steps
-from xtuner_available import unavailable
+from xtuner_available import skip_without_xtuner
 
 
-REASON = unavailable()
-pytestmark = pytest.mark.skipif(
-    REASON is not None,
-    reason=f"XTuner v1 is not importable here ({REASON}); install it with ./scripts/setup.sh, which "
-           "installs ../shared/wheels/xtuner-*.whl or $SPBCAST_XTUNER_WHEEL and its pure-Python "
-           "dependencies (docs/xtuner.md)")
+pytestmark = skip_without_xtuner()
 
 SEED = 7
 

@@ -22,14 +22,9 @@ import re
 import pytest
 
 from batches import assert_same
-from xtuner_available import unavailable
+from xtuner_available import skip_without_xtuner
 
-REASON = unavailable()
-pytestmark = pytest.mark.skipif(
-    REASON is not None,
-    reason=f"XTuner v1 is not importable here ({REASON}); install it with ./scripts/setup.sh, which "
-           "installs ../shared/wheels/xtuner-*.whl or $SPBCAST_XTUNER_WHEEL and its pure-Python "
-           "dependencies (docs/xtuner.md)")
+pytestmark = skip_without_xtuner()
 
 MID, END = 2, 4  # checkpoints: mid-epoch, and right after the first epoch's last step
 LEADERS, FOLLOWERS = (0, 2), (1, 3)  # XTuner's (dp, sp, tp) mesh at DP 2 x SP 2

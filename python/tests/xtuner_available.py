@@ -25,3 +25,14 @@ def unavailable():
     return None
 
 
+def skip_without_xtuner():
+    """The pytest mark of a test module that needs XTuner v1: skipped, saying why and how to
+    install it, where it is not importable."""
+    import pytest
+
+    reason = unavailable()
+    return pytest.mark.skipif(
+        reason is not None,
+        reason=f"XTuner v1 is not importable here ({reason}); install it with ./scripts/setup.sh, which "
+               "installs ../shared/wheels/xtuner-*.whl or $SPBCAST_XTUNER_WHEEL and its pure-Python "
+               "dependencies (docs/xtuner.md)")

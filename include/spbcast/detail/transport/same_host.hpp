@@ -367,6 +367,12 @@ inline void tell_followers(same_host_state& state, shm_message_kind kind, std::u
         if (l.alive) send_message(l.sock.get(), m, {}, bound);
 }
 
+// The error text a relay_failed message carries (tell_followers writes it NUL-terminated).
+inline std::string relay_failure_text(const shm_message& m) {
+    const char* text = reinterpret_cast<const char*>(m.ids);
+    return std::string(text, strnlen(text, sizeof m.ids));
+}
+
 // Root, after the frame: the used bytes of every segment the frame describes go to the next
 // host's leader, chunk by chunk. The followers of the root's host, which hold their batch
 // already, hear how the relay goes (at least every options.timeout / 4 and at its end), so none
@@ -437,13 +443,11 @@ void await_root_relay(collective<Group>& c, same_host_state& state, std::uint64_
                                       "while it relayed this batch; restart the job",
                           "relay");
         if (m.sequence != sequence) continue;  // an earlier batch's: stale
-        if (m.kind == shm_message_kind::relay_failed) {
-            const char* text = reinterpret_cast<const char*>(m.ids);
+        if (m.kind == shm_message_kind::relay_failed)
             c.break_group(errc::transport,
                           c.where() + ": the root is alive but could not relay this batch to the other hosts: " +
-                              std::string(text, strnlen(text, sizeof m.ids)) + " - restart the job",
+                              relay_failure_text(m) + " - restart the job",
                           "relay");
-        }
         sent = m.capacity;
         if (m.ids[0] != 0 && sent >= m.ids[0]) return;
     }
@@ -519,10 +523,9 @@ segment_delivery take_segments(collective<Group>& c, same_host_state* state, std
                 chunks_landed = d.message.capacity;  // the leader is relaying: a fresh wait
                 continue;
             }
-            const char* text = reinterpret_cast<const char*>(d.message.ids);
             c.break_group(errc::transport,
                           c.where() + ": the " + peer + " is alive but could not relay this batch to this host: " +
-                              std::string(text, strnlen(text, sizeof d.message.ids)) + " - restart the job",
+                              relay_failure_text(d.message) + " - restart the job",
                           "shared segment");
         }
         if (status == receive_status::malformed || kind != shm_message_kind::segments)
