@@ -8,16 +8,24 @@ Followers rebuild only built-in kinds and the classes the program allows, on eve
     spbcast.allow_classes(SequenceContext)   # or spbcast.allow_modules("mypkg")
 """
 
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
+from importlib.metadata import version as _version
+
 from ._broadcast import broadcast
 from ._C import receive_cache_statistics, set_receive_cache_limit
 from ._shared_memory import (close_same_host_channels, release_shared_memory, set_shared_memory_limit,
                              set_shared_memory_limits, shared_memory, shared_memory_statistics)
 from ._wire import allow_classes, allow_modules
-from .errors import Error, RemoteError, SchemaError, TransportError
+from .errors import Error, LoaderError, RemoteError, SchemaError, TransportError
 from .loader import LeaderLoader
 
-__all__ = ["broadcast", "LeaderLoader", "allow_classes", "allow_modules", "Error", "RemoteError",
+__all__ = ["broadcast", "LeaderLoader", "allow_classes", "allow_modules", "Error", "LoaderError", "RemoteError",
            "SchemaError", "TransportError",
            "set_receive_cache_limit", "receive_cache_statistics", "shared_memory", "shared_memory_statistics",
            "set_shared_memory_limit", "set_shared_memory_limits", "release_shared_memory",
            "close_same_host_channels"]
+
+try:
+    __version__ = _version("spbcast")  # python/pyproject.toml's, as installed
+except _PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"

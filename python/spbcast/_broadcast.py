@@ -75,6 +75,20 @@ def _seconds(value, name="timeout", zero_is_unset=False):
     return float(seconds)
 
 
+def _group_timeout(group):
+    """Seconds the group's own collectives wait for a late peer (the ``timeout=`` its
+    ``init_process_group`` or ``new_group`` was given): how long a BASE rank would wait for a
+    late leader in the trainer's next collective on it. The one place spbcast reads it: the CPU
+    backend's ``options._timeout`` (torch-internal; the suite runs it on torch 2.9 and 2.13).
+    Where a backend has none, torch's own default for new groups (30 minutes)."""
+    pg = dist.group.WORLD if group is None else group
+    try:
+        timeout = pg._get_backend(torch.device("cpu")).options._timeout
+        return float(timeout.total_seconds())
+    except (AttributeError, RuntimeError, TypeError):
+        return float(dist.default_pg_timeout.total_seconds())
+
+
 _TRANSPORTS = ("auto", "network", "shared_memory", "hierarchical")
 
 

@@ -13,9 +13,11 @@ plain advance (a reseed, a cached normal sample) is refused on every rank.
 
 Epochs follow the host trainer's numbering (first_epoch, set_epoch=), and the loader's own
 checkpoint API is used whatever it is called (state_dict / get_state_dict / load_state_dict,
-or hooks). Calls into the leader's loader outside a step (set_epoch, load_state_dict) are
-deferred to its next fetch, inside the step: a slow one is covered by keep-alive frames, a
-failing one reaches every SP rank, and the generator words it draws travel with that step.
+or hooks). The trainer's set_epoch is deferred to the leader's next fetch, inside the step: a
+slow one is covered by keep-alive frames, a failing one reaches every SP rank, and the generator
+words it draws travel with that step. load_state_dict is a collective of its own: the leader
+restores its loader at once and every SP rank raises what that raised, as in BASE; its words
+travel with the next step.
 """
 
 import contextlib
@@ -23,11 +25,11 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ._broadcast import (_TRANSPORTS, _group_and_root, _keep_alive, _relay_chunk_bytes, _same_host_path, _seconds,
-                         broadcast)
+from ._broadcast import (_TRANSPORTS, _group_and_root, _group_timeout, _keep_alive, _relay_chunk_bytes,
+                         _same_host_path, _seconds, broadcast)
 from ._shared_memory import shared_memory
 from ._wire import decode_body
-from .errors import Error, RemoteError, TransportError
+from .errors import Error, LoaderError, RemoteError, TransportError, loader_error, type_name
 
 _MT_N = 624  # words per Mersenne Twister block
 # The largest advance one loader call may make (64 Mi words: 256 MiB of random floats). An
@@ -101,6 +103,25 @@ def _count_words(before, after):
     return None
 
 
+def _describe(error):
+    """An exception as the leader sends it - data, never the exception object: spbcast's code
+    for it (``loader`` for the loader's own exception), the type and message of the loader's
+    exception, and the text every rank's message ends with."""
+    if isinstance(error, LoaderError):
+        return {"code": error.code, "type": error.original_type, "original": error.original_message,
+                "text": str(error)}
+    if isinstance(error, Error):
+        return {"code": error.code, "type": type_name(type(error)), "original": str(error),
+                "text": str(error)}
+    name = type_name(type(error))
+    return {"code": "loader", "type": name, "original": str(error), "text": f"{name}: {error}"}
+
+
+def _is_description(error):
+    return error is None or (type(error) is dict and set(error) == {"code", "type", "original", "text"}
+                             and all(type(v) is str for v in error.values()))
+
+
 class _Steps:
     """A LeaderLoader's iterator. An error (a fetch that raised, a batch refused) does not end
     it, as it does not end a DataLoader's: a trainer that catches it calls next() again."""
@@ -154,6 +175,11 @@ class LeaderLoader:
         5 minutes). A leader that takes longer to build its loader or fetch a batch is not a
         failure: meanwhile it sends keep-alive frames every timeout / 4, and the followers wait
         for it as a BASE rank waits for its own loader.
+    root_wait: seconds (or a timedelta) a follower waits for a leader that is late outside the
+        loader (saving a checkpoint, an after-save hook on rank 0) to start the next step. None
+        (default): the SP group's own timeout (``init_process_group``'s or ``new_group``'s
+        ``timeout=``, 30 minutes by default for Gloo), as long as a BASE rank would wait for that
+        leader in the trainer's next collective on the group. A dead leader is an error at once.
     transport: how batches travel, as in ``spbcast.broadcast``: "auto" (the same-host path where
         the SP group shares a host, the hierarchical path where it spans hosts), "network",
         "shared_memory" or "hierarchical".
@@ -173,7 +199,7 @@ class LeaderLoader:
 
     def __init__(self, make_loader, sp_group=None, *, sp_media_dedup, total_epoch=None,
                  total_step=None, first_epoch=0, set_epoch="auto", build_on_every_rank=None,
-                 state_hooks=None, tp_size=1, timeout=None, transport="auto",
+                 state_hooks=None, tp_size=1, timeout=None, root_wait=None, transport="auto",
                  relay_chunk_bytes=None, leader_allocates_in_shared_memory=True):
         # Checked on every rank before any collective, so a bad configuration is one clear error
         # everywhere rather than a rank stuck in a collective.
@@ -218,6 +244,7 @@ class LeaderLoader:
             raise Error(where + "transport must be 'auto', 'network', 'shared_memory' or 'hierarchical' "
                         f"(got {transport!r})", "invalid_argument")
         _seconds(timeout)  # refused here, on every rank, rather than in the first broadcast
+        _seconds(root_wait, "root_wait")
         _relay_chunk_bytes(relay_chunk_bytes, where)
 
         self.total_epoch = total_epoch
@@ -259,6 +286,8 @@ class LeaderLoader:
         sp_size = dist.get_world_size(self.group) if self.group is not None else 1
         self.dedup = bool(sp_media_dedup) and sp_size > 1
         self._leader = dist.get_global_rank(self.group, 0) if self.dedup else rank
+        # A follower's wait for the leader's next step: the group's own patience by default.
+        self.root_wait = (_seconds(root_wait, "root_wait") or _group_timeout(self.group)) if self.dedup else None
         # Every rank: what BASE builds on every rank too (its draws need no mirroring).
         if build_on_every_rank is not None:
             shared = build_on_every_rank()
@@ -275,6 +304,7 @@ class LeaderLoader:
         _group_and_root(self.group, self._leader)
 
         init = {"error": None, "words": 0, "length": -1}
+        failure = None  # the leader's own exception, the cause of what every rank raises
         if self.is_leader:
             try:
                 with self._still_working():  # building a loader may take longer than timeout
@@ -286,12 +316,11 @@ class LeaderLoader:
                     self._start_pass(words)
                     init["words"] += words[0]
             except Exception as e:  # noqa: BLE001 - sent to the followers, re-raised below
-                init["error"] = f"{type(e).__name__}: {e}"
-        init = broadcast(init, self.group, self._leader, timeout=timeout, transport=transport,
-                         relay_chunk_bytes=relay_chunk_bytes, _name="loader_init")
+                failure = e
+                init["error"] = _describe(e)
+        init = broadcast(init, self.group, self._leader, _name="loader_init", **self._broadcast_options())
         if init["error"] is not None:
-            raise Error(self._where() + f": the SP leader (rank {self._leader}) failed building "
-                        "the data loader: " + init["error"], "loader")
+            raise self._leader_failed("building the data loader", init["error"], failure)
         if not self.is_leader:
             self._replay(init["words"])
         self.length = init["length"]
@@ -354,14 +383,41 @@ class LeaderLoader:
         return state
 
     def load_state_dict(self, state):
-        """Continues exactly where state_dict() was taken, from the next batch. On dedup followers
-        it does nothing. The last epoch given to the loader's set_epoch is given again, then the
-        loader's own state restored (on the dedup leader both at its next fetch, inside the step).
-        A loader without state of its own is fast-forwarded: the resumed epoch's first batches
-        are loaded and dropped, which is exact when the epoch's order depends only on the epoch
-        (a sampler with set_epoch, as DistributedSampler)."""
-        if self.loader is None:
+        """Continues exactly where state_dict() was taken, from the next batch. The last epoch
+        given to the loader's set_epoch is given again, then the loader's own state restored. A
+        loader without state of its own is fast-forwarded: the resumed epoch's first batches are
+        loaded and dropped, which is exact when the epoch's order depends only on the epoch (a
+        sampler with set_epoch, as DistributedSampler).
+
+        Under dedup, call it on every SP rank (as a trainer calls its loader's): it is a
+        collective over the SP group. The leader checks the state and restores its loader at
+        once; followers ignore the state they are given (None will do) and raise what the
+        leader's load raised - a state the leader cannot load is an error on every SP rank, here,
+        not at the first fetch."""
+        if not self.dedup:
+            self._load(state)
             return
+        outcome, failure = {"error": None}, None
+        if self.is_leader:
+            try:
+                self._load(state)
+                self._run_pending_outside_step()  # now: what it raises is load_state_dict's
+            except Exception as e:  # noqa: BLE001 - sent to the followers, re-raised below
+                failure = e
+                outcome["error"] = _describe(e)
+        outcome = broadcast(outcome, self.group, self._leader, _name="load_state_dict",
+                            **self._broadcast_options())
+        if not (type(outcome) is dict and set(outcome) == {"error"} and _is_description(outcome["error"])):
+            raise Error(self._where() + f": the SP leader (rank {self._leader}) sent a load_state_dict "
+                        "outcome that is not LeaderLoader's (is the same spbcast installed on every "
+                        "rank?)", "corrupt_frame")
+        if outcome["error"] is None:
+            return
+        if isinstance(failure, Error) and not isinstance(failure, LoaderError):
+            raise failure  # the leader's own words about the state it was given
+        raise self._leader_failed("loading its state", outcome["error"], failure)
+
+    def _load(self, state):
         if not isinstance(state, dict) or state.get("version") not in (1, _STATE_VERSION):
             raise Error(self._where() + ": load_state_dict got a state that LeaderLoader."
                         "state_dict did not write; pass the SP leader's state_dict()",
@@ -409,6 +465,7 @@ class LeaderLoader:
             batch = self._fetch(None)
             return batch is _END, (None if batch is _END else batch)
         envelope = {"error": None, "epoch": 0, "step": 0, "words": 0, "done": False, "batch": None}
+        failure = None  # the leader's own exception, the cause of what every rank raises
         if self.is_leader:
             words = [self._carried_words]
             self._carried_words = 0
@@ -424,31 +481,54 @@ class LeaderLoader:
                 envelope["done"] = batch is _END
                 envelope["batch"] = None if batch is _END else batch
             except Exception as e:  # noqa: BLE001 - sent to the followers, re-raised below
-                envelope["error"] = f"{type(e).__name__}: {e}"
+                failure = e
+                envelope["error"] = _describe(e)
             envelope["words"] = words[0]
             envelope["epoch"], envelope["step"] = self.epoch, self.step
-        received = self._send_step(envelope)
+        received, refusal = self._send_step(envelope)
         if not self.is_leader:
             # Before anything can fail: the leader's draws and counters, whatever the step's
             # outcome (a fetch that raised, a batch refused), so the mirror survives the error.
             self._replay(received["words"])
             self.epoch, self.step = received["epoch"], received["step"]
         if received["error"] is not None:
-            raise Error(self._where() + f": the SP leader (rank {self._leader}) failed fetching "
-                        f"step {received['step'] + 1}: {received['error']}", "loader")
+            # A refused batch counted as a step (it is step `step`); a fetch that raised did not.
+            doing = (f"sending step {received['step']}" if received["error"]["code"] != "loader"
+                     else f"fetching step {received['step'] + 1}")
+            raise self._leader_failed(doing, received["error"], failure or refusal)
         if self.is_leader:
             return received["done"], received["batch"]
         return received["done"], decode_body(received["batch"], self.rank,
                                              f'step[{received["step"]}]["batch"]')
 
+    def _broadcast_options(self):
+        return dict(timeout=self.timeout, root_wait=self.root_wait, transport=self.transport,
+                    relay_chunk_bytes=self.relay_chunk_bytes)
+
+    def _leader_failed(self, doing, error, cause=None):
+        """What every SP rank raises when the leader failed ``doing``: ``error`` is the leader's
+        _describe() of it. The loader's own exception becomes a LoaderError that is also of its
+        type where it can be (on the leader, any type, chained to the exception itself); a
+        refusal by spbcast keeps its code."""
+        message = self._where() + f": the SP leader (rank {self._leader}) failed {doing}: {error['text']}"
+        if error["code"] != "loader":
+            raise_as = Error(message, error["code"])
+        else:
+            original = cause.__cause__ if isinstance(cause, LoaderError) else cause
+            raise_as = loader_error(message, error["type"], error["original"],
+                                    type(original) if original is not None else None)
+        raise_as.__cause__ = cause
+        return raise_as
+
     def _send_step(self, envelope):
         """The step's envelope on every rank (the leader's own; on followers the body with the
-        batch still in wire form, its metadata checked). A batch the root refuses (spbcast cannot
-        send it) is followed by the same envelope without the batch, with the refusal as its
-        error: the step's draws and counters reach every rank. A refused batch counts as a step
-        (the loader produced it): a trainer that skips it goes on at the same step everywhere."""
+        batch still in wire form, its metadata checked), and on the leader the refusal if its
+        batch was refused. A batch the root refuses (spbcast cannot send it) is followed by the
+        same envelope without the batch, with the refusal as its error: the step's draws and
+        counters reach every rank. A refused batch counts as a step (the loader produced it): a
+        trainer that skips it goes on at the same step everywhere."""
         name = f"step[{envelope['step']}]"
-        kw = dict(timeout=self.timeout, transport=self.transport, relay_chunk_bytes=self.relay_chunk_bytes)
+        kw = self._broadcast_options()
         try:
             received = broadcast(envelope, self.group, self._leader, _name=name, _decode=False, **kw)
         except TransportError:
@@ -463,18 +543,24 @@ class LeaderLoader:
             refused = e
         else:
             if self.is_leader:
-                return envelope
-            return self._checked_step(received)
+                return envelope, None
+            return self._checked_step(received), None
         if self.is_leader:
-            envelope = dict(envelope, batch=None, done=False, error=str(refused))
+            envelope = dict(envelope, batch=None, done=False, error=_describe(refused))
             broadcast(envelope, self.group, self._leader, _name=name + " (refused)", **kw)
-            return envelope
+            return envelope, refused
         received = broadcast(None, self.group, self._leader, _name=name + " (refused)", _decode=False, **kw)
-        return self._checked_step(received)
+        return self._checked_step(received), refused
 
     def _checked_step(self, body):
+        if type(body) is dict and body.get("error") is not None:  # still in wire form
+            body["error"] = decode_body(body["error"], self.rank, f"step[{body.get('step')}][\"error\"]")
+        if type(body) is dict and set(body) == {"error"}:
+            raise Error(self._where() + f": the SP leader (rank {self._leader}) is in load_state_dict "
+                        "while this rank fetches a step: call load_state_dict on every SP rank "
+                        "(followers may pass None)", "out_of_step")
         if not (type(body) is dict and set(body) == {"error", "epoch", "step", "words", "done", "batch"}
-                and (body["error"] is None or type(body["error"]) is str)
+                and _is_description(body["error"])
                 and type(body["epoch"]) is int and type(body["step"]) is int
                 and type(body["done"]) is bool):
             raise Error(self._where() + f": the SP leader (rank {self._leader}) sent a step that is "
@@ -625,7 +711,8 @@ class LeaderLoader:
             except Error:
                 raise
             except Exception as e:  # noqa: BLE001 - named, then sent to the followers
-                raise Error(f"{doing} raised {type(e).__name__}: {e}", "loader") from e
+                raise loader_error(f"{doing} raised {type_name(type(e))}: {e}", type_name(type(e)), str(e),
+                                   type(e)) from e
 
     def _run_pending_outside_step(self):
         # state_dict() must see what set_epoch / load_state_dict asked for; run on the leader
@@ -633,8 +720,10 @@ class LeaderLoader:
         # and the words they draw are sent with the next step.
         if self._pending:
             words = [0]
-            self._run_pending(words)
-            self._carried_words += words[0]
+            try:
+                self._run_pending(words)
+            finally:  # a call that raised drew its words too
+                self._carried_words += words[0]
 
     def _outside_step(self, doing, fn):
         words = None if not self.dedup else [0]

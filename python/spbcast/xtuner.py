@@ -26,7 +26,7 @@ from xtuner.v1.data_proto.sequence_context import DSATopKCacheState, SequenceCon
 from xtuner.v1.datasets.config import DataloaderConfig as _XTunerDataloaderConfig
 
 from ._wire import allow_classes
-from .errors import Error
+from .errors import Error, loader_error
 from .loader import LeaderLoader
 
 __all__ = ["DataloaderConfig", "XTunerLeaderLoader"]
@@ -39,28 +39,51 @@ def _where():
     return f"spbcast: rank {dist.get_rank() if dist.is_initialized() else 0} (spbcast.xtuner)"
 
 
+def _root_mesh(mesh):
+    """The mesh ``mesh`` was sliced from (itself if it was not), or None where this torch keeps
+    it nowhere spbcast knows. torch-internal, named here only: ``DeviceMesh._get_root_mesh()``
+    from torch 2.10 on, ``torch.distributed.device_mesh._mesh_resources.get_root_mesh(mesh)``
+    from 2.2 (deprecated from 2.10, where it calls the former)."""
+    root_of = getattr(mesh, "_get_root_mesh", None)
+    if callable(root_of):
+        return root_of()
+    try:
+        from torch.distributed.device_mesh import _mesh_resources
+    except ImportError:
+        return None
+    get_root_mesh = getattr(_mesh_resources, "get_root_mesh", None)
+    return get_root_mesh(mesh) if callable(get_root_mesh) else None
+
+
+# The data meshes of XTuner's that the switch knows: its Trainer's (Trainer._init_data_mesh) and
+# its RL training worker's (TrainingWorker's data mesh, no TP).
+_KNOWN_MESHES = (("dp", "sp", "tp"), ("dp", "sp"))
+
+
 def _layout(dp_mesh):
-    """The SP process group and the TP size of XTuner's data mesh, from the DP mesh that
-    DataloaderConfig.build receives. XTuner's Trainer builds one (dp, sp, tp) mesh
-    (Trainer._init_data_mesh) and passes its "dp" dimension; the other two dimensions come from
-    that mesh's root, which torch keeps as DeviceMesh._get_root_mesh() (torch-internal: checked
-    here by structure, so an XTuner or torch of another shape is a clear error, not a wrong
-    group)."""
+    """The SP process group (None: no SP dimension) and the TP size of XTuner's data mesh, from
+    the DP mesh DataloaderConfig.build receives: the "dp" dimension of a (dp, sp, tp) mesh
+    (XTuner's Trainer) or of a (dp, sp) mesh (its RL training worker). The other dimensions come
+    from that mesh's root; a mesh of another shape is a clear error, never a wrong group."""
     where = _where() + ": sp_media_dedup: "
-    root_of = getattr(dp_mesh, "_get_root_mesh", None)
-    if not callable(root_of):
-        raise Error(where + f"the dp_mesh DataloaderConfig.build received ({type(dp_mesh).__name__}) "
-                    "has no _get_root_mesh(); this torch's DeviceMesh is not one spbcast.xtuner "
-                    "knows: turn sp_media_dedup off", "invalid_argument")
-    root = root_of()
-    if tuple(root.mesh_dim_names or ()) != ("dp", "sp", "tp") or not torch.equal(
-            root["dp"].mesh, dp_mesh.mesh):
+    if dp_mesh is None:  # no data mesh (XTuner's RL prompt sampler): no SP group
+        return None, 1
+    root = _root_mesh(dp_mesh)
+    if root is None:
+        raise Error(where + f"cannot find the data mesh the dp_mesh DataloaderConfig.build received "
+                    f"was sliced from: this torch ({torch.__version__}) keeps a DeviceMesh's root "
+                    "neither in DeviceMesh._get_root_mesh() nor in device_mesh._mesh_resources; "
+                    "turn sp_media_dedup off", "invalid_argument")
+    names = tuple(root.mesh_dim_names or ())
+    if root is dp_mesh or names == ("dp",):
+        return None, 1  # a DP mesh of its own: no SP dimension
+    if names not in _KNOWN_MESHES or not torch.equal(root["dp"].mesh, dp_mesh.mesh):
         raise Error(where + "the dp_mesh DataloaderConfig.build received is not the \"dp\" dimension "
-                    "of a (dp, sp, tp) data mesh (its root mesh has dimensions "
-                    f"{root.mesh_dim_names}), as XTuner's Trainer._init_data_mesh builds it; this "
-                    "XTuner is not one spbcast.xtuner knows: turn sp_media_dedup off",
-                    "invalid_argument")
-    return root["sp"].get_group(), root["tp"].size()
+                    "of a (dp, sp, tp) data mesh, as XTuner's Trainer._init_data_mesh builds it, nor "
+                    f"of a (dp, sp) one, as its RL worker does (its root mesh has dimensions {names} "
+                    f"and shape {tuple(root.mesh.shape)}); this XTuner is not one spbcast.xtuner "
+                    "knows: turn sp_media_dedup off", "invalid_argument")
+    return root["sp"].get_group(), (root["tp"].size() if "tp" in names else 1)
 
 
 class XTunerLeaderLoader(LeaderLoader):
@@ -68,10 +91,10 @@ class XTunerLeaderLoader(LeaderLoader):
     (epochs from 1, its set_epoch, get_state_dict on every rank, rank 0's state loaded on every
     rank). Built by ``DataloaderConfig.build`` with ``sp_media_dedup=True``."""
 
-    def __init__(self, dataloader, sp_group, *, batch_samples):
+    def __init__(self, dataloader, sp_group, *, batch_samples, root_wait=None):
         # XTuner's own loop drives the passes (set_epoch=None), numbered from 1.
         super().__init__(lambda: dataloader, sp_group, sp_media_dedup=True, first_epoch=1,
-                         set_epoch=None)
+                         set_epoch=None, root_wait=root_wait)
         self._batch_samples = batch_samples  # samples per step over the DP group
 
     def get_state_dict(self):
@@ -82,8 +105,10 @@ class XTunerLeaderLoader(LeaderLoader):
 
     def load_state_dict(self, state):
         """A state XTuner's Dataloader wrote (with or without dedup), or one LeaderLoader wrote,
-        loaded on every rank: each rank checks it (they all load the same file), the leader
-        restores it at its next fetch."""
+        loaded on every rank (they all load the same file), as XTuner's Trainer does: the leader's
+        Dataloader restores it at once, and a state it cannot load raises on every SP rank, in
+        Trainer(...), what XTuner raises in BASE (a KeyError for a missing key, XTuner's
+        ValueError for a dataset that changed), as a spbcast.LoaderError of that type."""
         xtuner_state, position = self._split(state)
         if position is None:
             position = self._position(xtuner_state)
@@ -91,10 +116,10 @@ class XTunerLeaderLoader(LeaderLoader):
 
     def _split(self, state):
         where = self._where() + ": load_state_dict: "
-        if not isinstance(state, dict):
-            raise Error(where + f"the dataloader state is a {type(state).__name__}, not the dict "
-                        "XTuner's Dataloader.get_state_dict writes; resume from a checkpoint "
-                        "XTuner's Trainer saved", "invalid_argument")
+        if not isinstance(state, dict):  # XTuner's load would index it: a TypeError
+            message = (f"the dataloader state is a {type(state).__name__}, not the dict XTuner's "
+                       "Dataloader.get_state_dict writes; resume from a checkpoint XTuner's Trainer saved")
+            raise loader_error(where + message, "TypeError", message, TypeError)
         position = None
         if "version" in state and "loader" in state:  # LeaderLoader.state_dict's own layout
             if state["version"] not in (1, 2):
@@ -104,11 +129,13 @@ class XTunerLeaderLoader(LeaderLoader):
             position = {k: v for k, v in state.items() if k != "loader"}
             state = state["loader"]
         missing = [k for k in _XTUNER_KEYS if not isinstance(state, dict) or k not in state]
-        if missing:
+        if missing:  # XTuner's load would raise KeyError (TypeError for a state that is no dict)
             have = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise Error(where + f"the dataloader state lacks {', '.join(map(repr, missing))} (it has "
-                        f"{have}): it is not a state XTuner's Dataloader.get_state_dict wrote; "
-                        "resume from a checkpoint XTuner's Trainer saved", "invalid_argument")
+            error = KeyError if isinstance(state, dict) else TypeError
+            raise loader_error(where + f"the dataloader state lacks {', '.join(map(repr, missing))} (it "
+                               f"has {have}): it is not a state XTuner's Dataloader.get_state_dict "
+                               "wrote; resume from a checkpoint XTuner's Trainer saved",
+                               error.__name__, repr(missing[0]), error)
         return state, position
 
     def _position(self, state):
@@ -132,6 +159,10 @@ class DataloaderConfig(_XTunerDataloaderConfig):
                               extra="forbid", arbitrary_types_allowed=True)
 
     sp_media_dedup: bool = False
+    # Seconds an SP follower waits for its leader to start the next step when the leader is late
+    # outside the loader (rank 0 saving a checkpoint, an after-save hook). None: the SP group's
+    # own timeout - XTuner's Trainer's dist timeout, as long as BASE's next collective waits.
+    sp_media_dedup_root_wait: float | None = None
 
     def build(self, tokenizer, dp_mesh, global_batch_size, micro_batch_size, seed, shuffle=True,
               total_step=None):
@@ -142,7 +173,7 @@ class DataloaderConfig(_XTunerDataloaderConfig):
             return super().build(**kwargs)
         # Checked on every rank before the datasets' first collective.
         sp_group, tp_size = _layout(dp_mesh)
-        if dist.get_world_size(sp_group) == 1:
+        if sp_group is None or dist.get_world_size(sp_group) == 1:
             return super().build(**kwargs)
         if tp_size != 1:
             raise Error(_where() + f": sp_media_dedup requires TP size 1 (XTuner's data mesh has "
@@ -157,5 +188,5 @@ class DataloaderConfig(_XTunerDataloaderConfig):
         # What XTuner's batches hold besides dicts, lists and tensors.
         allow_classes(SequenceContext, DSATopKCacheState)
         dataloader = super().build(**kwargs)  # every rank: the datasets are built collectively
-        dp_size = dp_mesh.size() if dp_mesh is not None else 1
-        return XTunerLeaderLoader(dataloader, sp_group, batch_samples=micro_batch_size * dp_size)
+        return XTunerLeaderLoader(dataloader, sp_group, batch_samples=micro_batch_size * dp_mesh.size(),
+                                  root_wait=self.sp_media_dedup_root_wait)

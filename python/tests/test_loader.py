@@ -174,9 +174,9 @@ def test_restart_of_40_steps(tmp_path, save_at):
 
 def _stateful(rank, world):
     # A loader with its own state resumes through it: nothing is fetched twice.
-    def run_loader(state=None):
+    def run_loader(resume=False, state=None):
         ll = spbcast.LeaderLoader(StatefulLoader, None, sp_media_dedup=True, total_step=15)
-        if state is not None:
+        if resume:  # on every SP rank; only the leader's state counts
             ll.load_state_dict(state)
         seen, saved = [], None
         for batch in ll:
@@ -189,7 +189,7 @@ def _stateful(rank, world):
     assert [s[:2] for s in continuous[5:8]] == [(0, 5), (1, 0), (1, 1)]
     assert (saved == {}) == (rank != 0)
     saved = spbcast.broadcast(saved, src=0)  # the test gives the leader's state to both
-    resumed_ll, resumed, _ = run_loader(saved if rank == 0 else None)
+    resumed_ll, resumed, _ = run_loader(True, saved if rank == 0 else None)
     assert resumed == continuous[8:]
     if rank == 0:
         assert resumed_ll.loader.fetched == 7
@@ -205,6 +205,18 @@ class Boom:
     def __iter__(self):
         yield [torch.ones(1)]
         raise ValueError("disk on fire")
+
+
+class BadSample(Exception):
+    def __init__(self, index):  # not the message alone: spbcast must not call it
+        super().__init__(f"sample {index}")
+        self.index = index
+
+
+class BadSampleLoader:
+    def __iter__(self):
+        raise BadSample(3)
+        yield
 
 
 def _failures(rank, world):
@@ -227,16 +239,28 @@ def _failures(rank, world):
     ll = spbcast.LeaderLoader(Boom, None, sp_media_dedup=True, total_epoch=1)
     it = iter(ll)
     assert torch.equal(next(it)[0], torch.ones(1))
-    with pytest.raises(spbcast.Error, match="disk on fire") as info:
+    with pytest.raises(ValueError, match="disk on fire") as info:  # the loader's own type
         next(it)
-    assert info.value.code == "loader"
+    assert isinstance(info.value, spbcast.LoaderError) and info.value.code == "loader"
+    assert info.value.original_type == "ValueError" and info.value.original_message == "disk on fire"
+    assert str(info.value).endswith("failed fetching step 2: ValueError: disk on fire"), str(info.value)
+    if rank == 0:  # chained to the loader's exception itself
+        assert type(info.value.__cause__) is ValueError and str(info.value.__cause__) == "disk on fire"
+    # A class of the program's own: that type on the leader, named on the followers.
+    ll = spbcast.LeaderLoader(lambda: BadSampleLoader(), None, sp_media_dedup=True, total_epoch=1)
+    with pytest.raises(spbcast.LoaderError) as info:
+        next(iter(ll))
+    assert isinstance(info.value, BadSample) == (rank == 0), type(info.value).__mro__
+    assert info.value.original_type == f"{__name__}.BadSample" and info.value.original_message == "sample 3"
 
     # A batch spbcast cannot send: refused on every rank with its path inside the envelope.
     ll = spbcast.LeaderLoader(lambda: [[{"ids": {1j}}]], None, sp_media_dedup=True, total_epoch=1)
     with pytest.raises(spbcast.Error, match=r'cannot send step\[1\]\["batch"\]\[0\]\["ids"\]: a set holding a complex') as info:
         next(iter(ll))
-    # The same error on every rank, after the step's draws and counters reached it.
-    assert type(info.value) is spbcast.Error and info.value.code == "loader" and ll.step == 1
+    # The same error on every rank, after the step's draws and counters reached it: spbcast's
+    # refusal, with a code of its own (a trainer that skips the loader's errors does not skip it).
+    assert type(info.value) is spbcast.Error and info.value.code == "unsupported_value" and ll.step == 1
+    assert "failed sending step 1: " in str(info.value), str(info.value)
 
     # A loader that reseeds the default generator cannot be mirrored: refused on every rank.
     def reseeding_loader():

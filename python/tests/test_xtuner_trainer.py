@@ -77,6 +77,7 @@ def runs(tmp_path_factory):
                 Arm("dedup0@hand_wired0", True, resume=("hand_wired0", MID))]
     records = xt.launch(root, continuous, tokenizer_dir, data)
     records.update(xt.launch(root, resumed, tokenizer_dir, data))  # new processes
+    records["inputs"] = (root, tokenizer_dir, data)
     return records
 
 
@@ -117,6 +118,36 @@ def test_resumed(runs, arm, base, continuous, step):
                        keys=("model_input", "cur_step", "epoch"))
 
 
+def _build_trainer_from(inputs, arm):
+    """The exception Trainer(...) raised (its class names and message), or None."""
+    import xtuner_trainer as xt
+
+    try:
+        xt.make_trainer(arm, *inputs)
+    except Exception as e:  # noqa: BLE001 - what the user's script would see
+        return [c.__name__ for c in type(e).__mro__], str(e)
+    return None
+
+
+def test_checkpoint_that_does_not_fit_fails_in_trainer(runs):
+    """A checkpoint the data config cannot load (pack_max_length changed): XTuner's own ValueError
+    inside Trainer(...) on every rank, with the switch as in BASE - not at fit()'s first fetch."""
+    import xtuner_trainer as xt
+
+    root = runs["inputs"][0]
+    outcome = {}
+    for dedup in (False, True):
+        arm = xt.Arm(f"misfit-{dedup}", dedup, resume=("base0", MID), pack_max_length=48)
+        outcome[dedup] = xt.fork_ranks(root, arm.name, lambda rank: _build_trainer_from(runs["inputs"], arm))
+    for rank in range(len(outcome[False])):
+        base, dedup = outcome[False][rank], outcome[True][rank]
+        assert base is not None and base[0][0] == "ValueError", f"BASE, rank {rank}: {base}"
+        assert "different pack_max_length" in base[1], base[1]
+        assert dedup is not None, f"dedup, rank {rank}: Trainer(...) accepted the checkpoint"
+        assert "ValueError" in dedup[0] and "LoaderError" in dedup[0], f"dedup, rank {rank}: {dedup[0]}"
+        assert base[1] in dedup[1], f"dedup, rank {rank}: {dedup[1]!r} lacks XTuner's {base[1]!r}"
+
+
 def test_config_pickles():
     """XTuner pickles the trainer config, with its dataloader config, into every checkpoint."""
     import xtuner_trainer as xt
@@ -142,12 +173,12 @@ def _switch_checks(data):
 
     tokenizer = xt.xp.make_tokenizer()
 
-    def build(shape, names=("dp", "sp", "tp"), dedup=True):
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    def build(shape, names=("dp", "sp", "tp"), dedup=True, dp="dp"):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names) if shape else None
         config = xt.xp.text_config(data, num_workers=0, sp_media_dedup=dedup,
                                    config_class=spbcast.xtuner.DataloaderConfig)
-        return config.build(tokenizer=tokenizer, dp_mesh=mesh["dp"], global_batch_size=shape[0],
-                            micro_batch_size=1, seed=1)
+        return config.build(tokenizer=tokenizer, dp_mesh=mesh[dp] if mesh else None,
+                            global_batch_size=shape[0] if shape else 1, micro_batch_size=1, seed=1)
 
     def outcome(make):
         try:
@@ -156,9 +187,14 @@ def _switch_checks(data):
             return f"Error: {e}"
 
     results = {"tp2": outcome(lambda: build((1, 2, 2))),
-               "not_xtuner_mesh": outcome(lambda: build((2, 2), names=("dp", "sp"))),
+               "not_xtuner_mesh": outcome(lambda: build((2, 2), names=("dp", "cp"))),
+               "not_the_dp_dim": outcome(lambda: build((2, 2), names=("sp", "dp"))),
                "off": outcome(lambda: build((2, 2, 1), dedup=False)),
-               "sp1": outcome(lambda: build((4, 1, 1)))}
+               "sp1": outcome(lambda: build((4, 1, 1))),
+               # XTuner's RL prompt sampler builds without a mesh; its RL worker on (dp, sp).
+               "no_mesh": outcome(lambda: build(None)),
+               "rl_worker_mesh": outcome(lambda: build((2, 2), names=("dp", "sp"))),
+               "dp_only_mesh": outcome(lambda: build((4,), names=("dp",)))}
     loader = build((2, 2, 1))
     results["on"] = type(loader).__name__
     for name, state in (("no_sampler", {"dataset": {}, "total_consumed_samples": 0}),
@@ -172,7 +208,7 @@ def test_switch_refuses_what_it_cannot_do(tmp_path):
 
     _, data = xt.write_inputs(str(tmp_path))
     per_rank = xt.fork_ranks(str(tmp_path), "switch", lambda rank: _switch_checks(data))
-    errors = ("tp2", "not_xtuner_mesh", "no_sampler", "unknown_version", "not_a_dict")
+    errors = ("tp2", "not_xtuner_mesh", "not_the_dp_dim", "no_sampler", "unknown_version", "not_a_dict")
     for rank, results in enumerate(per_rank):
         for name in errors:
             assert results[name].startswith(f"Error: spbcast: rank {rank} "), f"{name}: {results[name]}"
@@ -180,10 +216,13 @@ def test_switch_refuses_what_it_cannot_do(tmp_path):
         assert anonymous == {k: re.sub(r"rank \d+", "rank N", v) for k, v in per_rank[0].items()}, (
             f"rank {rank}'s outcomes differ from rank 0's: {results} != {per_rank[0]}")
     r = per_rank[0]
-    assert r["off"] == r["sp1"] == "Dataloader", "off and at SP 1: XTuner's own Dataloader"
-    assert r["on"] == "XTunerLeaderLoader"
+    assert r["off"] == r["sp1"] == r["no_mesh"] == r["dp_only_mesh"] == "Dataloader", (
+        "off, at SP 1, without a mesh or an SP dimension: XTuner's own Dataloader")
+    assert r["on"] == r["rl_worker_mesh"] == "XTunerLeaderLoader"
     assert "requires TP size 1" in r["tp2"] and "tp_size=1" in r["tp2"], r["tp2"]
-    assert "(dp, sp, tp)" in r["not_xtuner_mesh"] and "turn sp_media_dedup off" in r["not_xtuner_mesh"]
+    for name in ("not_xtuner_mesh", "not_the_dp_dim"):
+        assert "(dp, sp, tp)" in r[name] and "turn sp_media_dedup off" in r[name], r[name]
+    assert "('dp', 'cp')" in r["not_xtuner_mesh"] and "(2, 2)" in r["not_xtuner_mesh"], r["not_xtuner_mesh"]
     assert "lacks 'sampler'" in r["no_sampler"], r["no_sampler"]
     assert "version 99" in r["unknown_version"], r["unknown_version"]
     assert "not the dict" in r["not_a_dict"], r["not_a_dict"]

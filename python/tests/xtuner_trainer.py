@@ -105,6 +105,7 @@ class Arm:
     resume: tuple[str, int] | None = None
     extra_draw: int | None = None
     hand_wired: bool = False  # dedup wired by hand, as before the switch (its checkpoints)
+    pack_max_length: int = 64  # another than the checkpoint's: a data config it does not fit
 
 
 class HandWiredDataloaderConfig(xp.DataloaderConfig):
@@ -114,7 +115,7 @@ class HandWiredDataloaderConfig(xp.DataloaderConfig):
 
     def build(self, **kwargs):
         dataloader = super().build(**kwargs)
-        sp_group = kwargs["dp_mesh"]._get_root_mesh()["sp"].get_group()
+        sp_group = spbcast.xtuner._root_mesh(kwargs["dp_mesh"])["sp"].get_group()
         return spbcast.LeaderLoader(lambda: dataloader, sp_group, sp_media_dedup=True,
                                     first_epoch=1, set_epoch=None)
 
@@ -148,6 +149,31 @@ def snapshot(value):
     return value
 
 
+def make_trainer(arm, root, tokenizer_dir, data):
+    """XTuner's Trainer for one arm, built as a user builds it (a resumed arm loads its checkpoint
+    here, inside Trainer(...))."""
+    work = os.path.join(root, arm.name, "work")
+    xp.use_cache_dir(os.path.join(root, arm.name, "cache"))
+    load = LoadCheckpointConfig()
+    if arm.resume is not None:
+        load = LoadCheckpointConfig(checkpoint_path=checkpoint_of(root, *arm.resume))
+    config = dict(num_workers=arm.workers, pack_max_length=arm.pack_max_length)
+    if arm.hand_wired:
+        loader_cfg = xp.text_config(data, config_class=HandWiredDataloaderConfig, **config)
+    else:
+        loader_cfg = xp.text_config(data, sp_media_dedup=arm.dedup,
+                                    config_class=spbcast.xtuner.DataloaderConfig, **config)
+    return Trainer(
+        model_cfg=tiny_qwen3(len(xp.SPECIAL) + len(xp.WORDS)),
+        optim_cfg=AdamWConfig(lr=1e-3, foreach=False),
+        fsdp_cfg=FSDPConfig(torch_compile=False, param_dtype=torch.float32,
+                            reduce_dtype=torch.float32),
+        dataloader_cfg=loader_cfg, lr_cfg=LRConfig(lr_type="constant", warmup_ratio=0),
+        tokenizer_path=tokenizer_dir, global_batch_size=DP, sp_size=SP, total_epoch=2,
+        work_dir=work, seed=SEED, backend="gloo", exp_tracker="jsonl",
+        checkpoint_interval=1 if arm.resume is None else None, load_checkpoint_cfg=load)
+
+
 def _train(arm, root, tokenizer_dir, data, rank):
     """One arm in this rank: XTuner's Trainer built and fit() as a user runs it, recorded."""
     record = {"steps": [], "iterators": 0}
@@ -158,27 +184,8 @@ def _train(arm, root, tokenizer_dir, data, rank):
         return original_iter(self)
 
     torch.utils.data.DataLoader.__iter__ = counting_iter
-    work = os.path.join(root, arm.name, "work")
-    xp.use_cache_dir(os.path.join(root, arm.name, "cache"))
-    load = LoadCheckpointConfig()
-    if arm.resume is not None:
-        load = LoadCheckpointConfig(checkpoint_path=checkpoint_of(root, *arm.resume))
-    if arm.hand_wired:
-        loader_cfg = xp.text_config(data, num_workers=arm.workers,
-                                    config_class=HandWiredDataloaderConfig)
-    else:
-        loader_cfg = xp.text_config(data, num_workers=arm.workers, sp_media_dedup=arm.dedup,
-                                    config_class=spbcast.xtuner.DataloaderConfig)
     try:
-        trainer = Trainer(
-            model_cfg=tiny_qwen3(len(xp.SPECIAL) + len(xp.WORDS)),
-            optim_cfg=AdamWConfig(lr=1e-3, foreach=False),
-            fsdp_cfg=FSDPConfig(torch_compile=False, param_dtype=torch.float32,
-                                reduce_dtype=torch.float32),
-            dataloader_cfg=loader_cfg, lr_cfg=LRConfig(lr_type="constant", warmup_ratio=0),
-            tokenizer_path=tokenizer_dir, global_batch_size=DP, sp_size=SP, total_epoch=2,
-            work_dir=work, seed=SEED, backend="gloo", exp_tracker="jsonl",
-            checkpoint_interval=1 if arm.resume is None else None, load_checkpoint_cfg=load)
+        trainer = make_trainer(arm, root, tokenizer_dir, data)
         sp_rank = trainer.sp_mesh.get_local_rank()
         prepare, engine = trainer._prepare_model_input, trainer._engine
         train_step, clip, step_optimizer = engine.train_step, engine.clip_grad_norm, engine.step_optimizer
