@@ -18,6 +18,12 @@ if ! has hypothesis; then
     echo "setup: installing hypothesis into $VENV"
     "$VENV/bin/pip" install -q "hypothesis==6.170.15"
 fi
+# The build's own requirement (python/pyproject.toml; the build is not isolated, so that it
+# compiles against this environment's torch): a setuptools that builds wheels by itself.
+if ! has setuptools.command.bdist_wheel; then
+    echo "setup: installing setuptools>=70.1 into $VENV"
+    "$VENV/bin/pip" install -q "setuptools>=70.1"
+fi
 stamp="$VENV/.spbcast-python-package"
 sources=$( (find python/setup.py python/pyproject.toml python/spbcast python/csrc include/spbcast -type f \
              \( -name '*.py' -o -name '*.cpp' -o -name '*.hpp' -o -name '*.toml' \) -print0 \

@@ -1,24 +1,36 @@
 #!/usr/bin/env bash
 # Installs everything spbcast needs on a fresh Debian 12 machine, by package name:
 # the tool chain, Boost >= 1.81 (PFR, Hana), doctest, the distribution's LibTorch with Gloo,
-# libjpeg-turbo (the demo), and the PyTorch 2.13.0 CPU wheel in a virtual environment (the
-# second LibTorch generation, and the Python peers of the benchmarks), with torchdata and - where
-# ../shared/wheels/xtuner-*.whl or $SPBCAST_XTUNER_WHEEL provides it - XTuner v1 for the Python
-# tests.
+# libjpeg-turbo (the demo), and two virtual environments, each with torchdata and - where
+# ../shared/wheels/xtuner-*.whl or $SPBCAST_XTUNER_WHEEL provides it - XTuner v1, and the Python
+# package built against its torch: the main one with the PyTorch 2.13.0 CPU wheel (the second
+# LibTorch generation, and the Python peers of the benchmarks), and the reference one with the
+# reference PR's PyTorch 2.9.1 (the Python package's tests on a second torch).
 # Idempotent: a second run checks and returns in seconds.
 #   ./scripts/setup.sh                       everything
 #   ./scripts/setup.sh --no-python-package   all but the Python package (.ci/run: test.sh builds
 #                                            it, on one core, while the other builds a tree)
+#   ./scripts/setup.sh --main-only           the packages and the main environment
+#   ./scripts/setup.sh --reference-only      the packages and the reference environment (test.sh
+#                                            fills it in the background while it builds)
 set -euo pipefail
 
 python_package=yes
-case "${1:-}" in
-    "") ;;
-    --no-python-package) python_package=no ;;
-    *) echo "setup: unknown option '$1' (the one option: --no-python-package)"; exit 2 ;;
-esac
-VENV="${SPBCAST_VENV:-$HOME/.cache/spbcast/venv}"
+which=both
+for option in "$@"; do
+    case "$option" in
+        --no-python-package) python_package=no ;;
+        --main-only) which=main ;;
+        --reference-only) which=reference ;;
+        *) echo "setup: unknown option '$option' (--no-python-package, --main-only, --reference-only)"; exit 2 ;;
+    esac
+done
+MAIN_VENV="${SPBCAST_VENV:-$HOME/.cache/spbcast/venv}"
 TORCH_WHEEL_VERSION="2.13.0"
+# The reference PR's PyTorch: PyPI's CUDA build (about 7 GB; it runs on the CPU), for the Python
+# package's tests on a second torch (the switch on every torch XTuner supports).
+REFERENCE_VENV="${SPBCAST_REFERENCE_VENV:-$HOME/.cache/spbcast/venv-torch2.9}"
+REFERENCE_TORCH_VERSION="2.9.1"
 DEBIAN_PACKAGES=(build-essential cmake ccache pkg-config python3 python3-venv
                  libboost1.81-dev doctest-dev libtorch-dev libgloo-dev libturbojpeg0-dev
                  iproute2 nftables clang libclang-rt-14-dev)
@@ -38,67 +50,85 @@ else
     echo "setup: Debian packages present"
 fi
 
-if [ ! -x "$VENV/bin/python" ]; then
-    echo "setup: creating $VENV"
-    python3 -m venv "$VENV"
-fi
-# A package's installed version from its metadata, empty if absent (importing torch to ask
-# would take seconds, on every run of every script that starts here).
-version_of() {
-    "$VENV/bin/python" -c 'import importlib.metadata as m, sys
+# One virtual environment: the torch it is for, never upgraded by what follows, torchdata, XTuner
+# v1 and its data pipeline's dependencies. populate_venv VENV TORCH_VERSION.
+populate_venv() {
+    local VENV="$1" TORCH_WHEEL_VERSION="$2"
+    if [ ! -x "$VENV/bin/python" ]; then
+        echo "setup: creating $VENV"
+        python3 -m venv "$VENV"
+    fi
+    # A package's installed version from its metadata, empty if absent (importing torch to ask
+    # would take seconds, on every run of every script that starts here).
+    version_of() {
+        "$VENV/bin/python" -c 'import importlib.metadata as m, sys
 try: print(m.version(sys.argv[1]))
 except m.PackageNotFoundError: pass' "$1"
-}
-torch_version="$(version_of torch)"
-if [ "${torch_version%%+*}" != "$TORCH_WHEEL_VERSION" ]; then
-    echo "setup: installing torch==$TORCH_WHEEL_VERSION (CPU) into $VENV"
-    "$VENV/bin/pip" install -q "torch==$TORCH_WHEEL_VERSION"
+    }
     torch_version="$(version_of torch)"
-fi
-# numpy and matplotlib for plots; tensordict is one of the Python peers the benchmarks measure.
-if [ -z "$(version_of numpy)" ] || [ -z "$(version_of matplotlib)" ] || [ -z "$(version_of tensordict)" ]; then
-    "$VENV/bin/pip" install -q numpy matplotlib "tensordict==0.15.3"
-fi
-echo "setup: PyTorch wheel $torch_version in $VENV"
-# Never let a package below install or upgrade torch: every pip call is constrained to the
-# torch already there.
-constraint="$VENV/.spbcast-torch-constraint.txt"
-echo "torch==$torch_version" > "$constraint"
-# torchdata's StatefulDataLoader, for the loader tests (pure Python).
-if [ -z "$(version_of torchdata)" ]; then
-    echo "setup: installing torchdata into $VENV"
-    "$VENV/bin/pip" install -q -c "$constraint" torchdata
-fi
-# XTuner v1 for the integration tests (python/tests/test_xtuner.py), from a wheel: the one
-# SPBCAST_XTUNER_WHEEL names, or ../shared/wheels/xtuner-*.whl beside the repository (built from
-# XTuner's GitHub main; PyPI's xtuner is the older code without xtuner/v1). The wheel and
-# mmengine without their dependencies (they would pull GPU kernels, OpenCV and matplotlib),
-# then the pure-Python ones its data pipeline needs on a CPU machine (../shared/wheels/README.md).
-xtuner_wheel="${SPBCAST_XTUNER_WHEEL:-}"
-if [ -z "$xtuner_wheel" ]; then
-    for w in "$(dirname "$0")"/../../shared/wheels/xtuner-*.whl; do
-        [ -f "$w" ] && xtuner_wheel="$w"
-    done
-fi
-if [ -n "$xtuner_wheel" ]; then
-    [ -f "$xtuner_wheel" ] || { echo "setup: SPBCAST_XTUNER_WHEEL=$xtuner_wheel is not a file"; exit 1; }
-    xtuner_stamp="$VENV/.spbcast-xtuner-wheel"
-    xtuner_sum="$(sha256sum "$xtuner_wheel" | cut -d' ' -f1)"
-    xtuner_deps=(addict termcolor pyyaml rich loguru "transformers==5.14.1" "datasets<4"
-                 "fsspec<=2025.3.0" xxhash pillow cyclopts
-                 einops more-itertools)  # the last two: XTuner's Trainer (test_xtuner_trainer.py)
-    if [ -f "$xtuner_stamp" ] && [ "$(cat "$xtuner_stamp")" = "$xtuner_sum" ] \
-        && [ -n "$(version_of mmengine)" ] && [ -n "$(version_of transformers)" ] \
-        && [ -n "$(version_of datasets)" ] && [ -n "$(version_of cyclopts)" ] \
-        && [ -n "$(version_of einops)" ] && [ -n "$(version_of more-itertools)" ]; then
-        echo "setup: XTuner v1 ($(basename "$xtuner_wheel")) present in $VENV"
-    else
-        echo "setup: installing XTuner v1 from $xtuner_wheel and its data pipeline's dependencies into $VENV"
-        "$VENV/bin/pip" install -q --no-deps "$xtuner_wheel" "mmengine==0.11.0rc2"
-        "$VENV/bin/pip" install -q -c "$constraint" "${xtuner_deps[@]}"
-        echo "$xtuner_sum" > "$xtuner_stamp"
+    if [ "${torch_version%%+*}" != "$TORCH_WHEEL_VERSION" ]; then
+        echo "setup: installing torch==$TORCH_WHEEL_VERSION into $VENV"
+        "$VENV/bin/pip" install -q "torch==$TORCH_WHEEL_VERSION"
+        torch_version="$(version_of torch)"
     fi
+    # numpy and matplotlib for plots; tensordict is one of the Python peers the benchmarks measure
+    # (the main environment only).
+    if [ "$VENV" = "$MAIN_VENV" ] && { [ -z "$(version_of numpy)" ] || [ -z "$(version_of matplotlib)" ] \
+            || [ -z "$(version_of tensordict)" ]; }; then
+        "$VENV/bin/pip" install -q numpy matplotlib "tensordict==0.15.3"
+    fi
+    echo "setup: PyTorch wheel $torch_version in $VENV"
+    # Never let a package below install or upgrade torch: every pip call is constrained to the
+    # torch already there.
+    constraint="$VENV/.spbcast-torch-constraint.txt"
+    echo "torch==$torch_version" > "$constraint"
+    # torchdata's StatefulDataLoader, for the loader tests (pure Python).
+    if [ -z "$(version_of torchdata)" ]; then
+        echo "setup: installing torchdata into $VENV"
+        "$VENV/bin/pip" install -q -c "$constraint" torchdata
+    fi
+    # XTuner v1 for the integration tests (python/tests/test_xtuner.py), from a wheel: the one
+    # SPBCAST_XTUNER_WHEEL names, or ../shared/wheels/xtuner-*.whl beside the repository (built from
+    # XTuner's GitHub main; PyPI's xtuner is the older code without xtuner/v1). The wheel and
+    # mmengine without their dependencies (they would pull GPU kernels, OpenCV and matplotlib),
+    # then the pure-Python ones its data pipeline needs on a CPU machine (../shared/wheels/README.md).
+    xtuner_wheel="${SPBCAST_XTUNER_WHEEL:-}"
+    if [ -z "$xtuner_wheel" ]; then
+        for w in "$(dirname "$0")"/../../shared/wheels/xtuner-*.whl; do
+            [ -f "$w" ] && xtuner_wheel="$w"
+        done
+    fi
+    if [ -n "$xtuner_wheel" ]; then
+        [ -f "$xtuner_wheel" ] || { echo "setup: SPBCAST_XTUNER_WHEEL=$xtuner_wheel is not a file"; exit 1; }
+        xtuner_stamp="$VENV/.spbcast-xtuner-wheel"
+        xtuner_sum="$(sha256sum "$xtuner_wheel" | cut -d' ' -f1)"
+        xtuner_deps=(addict termcolor pyyaml rich loguru "transformers==5.14.1" "datasets<4"
+                     "fsspec<=2025.3.0" xxhash pillow cyclopts
+                     einops more-itertools)  # the last two: XTuner's Trainer (test_xtuner_trainer.py)
+        if [ -f "$xtuner_stamp" ] && [ "$(cat "$xtuner_stamp")" = "$xtuner_sum" ] \
+            && [ -n "$(version_of mmengine)" ] && [ -n "$(version_of transformers)" ] \
+            && [ -n "$(version_of datasets)" ] && [ -n "$(version_of cyclopts)" ] \
+            && [ -n "$(version_of einops)" ] && [ -n "$(version_of more-itertools)" ]; then
+            echo "setup: XTuner v1 ($(basename "$xtuner_wheel")) present in $VENV"
+        else
+            echo "setup: installing XTuner v1 from $xtuner_wheel and its data pipeline's dependencies into $VENV"
+            "$VENV/bin/pip" install -q --no-deps "$xtuner_wheel" "mmengine==0.11.0rc2"
+            "$VENV/bin/pip" install -q -c "$constraint" "${xtuner_deps[@]}"
+            echo "$xtuner_sum" > "$xtuner_stamp"
+        fi
+    fi
+}
+
+if [ "$which" != reference ]; then
+    populate_venv "$MAIN_VENV" "$TORCH_WHEEL_VERSION"
+    [ "$python_package" = no ] || SPBCAST_VENV="$MAIN_VENV" "$(dirname "$0")/python_package.sh"
 fi
-# The Python package (python/) and pytest for its tests, into the same environment.
-[ "$python_package" = no ] || SPBCAST_VENV="$VENV" "$(dirname "$0")/python_package.sh"
+if [ "$which" != main ]; then
+    # Another setup.sh (test.sh starts one in the background) may be filling it: one at a time.
+    mkdir -p "$(dirname "$REFERENCE_VENV")"
+    exec 9> "$REFERENCE_VENV.lock"
+    flock 9
+    populate_venv "$REFERENCE_VENV" "$REFERENCE_TORCH_VERSION"
+    [ "$python_package" = no ] || SPBCAST_VENV="$REFERENCE_VENV" "$(dirname "$0")/python_package.sh"
+fi
 echo "setup: done"

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # Builds spbcast's tests, examples and benchmarks against both LibTorch generations - the
 # distribution's libtorch-dev and the PyTorch 2.13 wheel - and runs every test (ctest) for each;
-# then builds the Python package into the wheel's environment and runs its tests (pytest).
-#   ./scripts/test.sh              both generations and the Python package
+# then builds the Python package into the wheel's environment and runs its tests (pytest), and
+# again on the reference PR's PyTorch 2.9.1 (a second environment, filled in the background
+# while the trees build).
+#   ./scripts/test.sh              both generations and the Python package on both torches
 #   ./scripts/test.sh system       only the distribution's LibTorch
 #   ./scripts/test.sh wheel        only the wheel
-#   ./scripts/test.sh python       only the Python package
+#   ./scripts/test.sh python       only the Python package (PyTorch 2.13)
+#   ./scripts/test.sh python-2.9   only the Python package on PyTorch 2.9.1
 #   ./scripts/test.sh --build GEN  only configure and build GEN's tree (system or wheel)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV="${SPBCAST_VENV:-$HOME/.cache/spbcast/venv}"
+REFERENCE_VENV="${SPBCAST_REFERENCE_VENV:-$HOME/.cache/spbcast/venv-torch2.9}"
 # Lets ccache reuse objects between clones in different folders (CI builds a fresh clone).
 export CCACHE_BASEDIR="$PWD"
 JOBS="${SPBCAST_JOBS:-2}"
@@ -34,16 +38,27 @@ if [ "${1:-}" = "--build" ]; then
     exit
 fi
 
-./scripts/setup.sh  # installs what is missing; seconds when everything is there
-generations=("${@:-system wheel python}")
+./scripts/setup.sh --main-only  # installs what is missing; seconds when everything is there
+generations=("${@:-system wheel python python-2.9}")
 generations=(${generations[*]})
+
+# The reference environment (about 7 GB to download the first time) fills while the trees build,
+# at a low priority; the python-2.9 generation waits for it.
+reference_setup=""
+if [[ " ${generations[*]} " == *" python-2.9 "* ]]; then
+    set -m
+    nice -n 10 ./scripts/setup.sh --reference-only > build-python-2.9.setup.log 2>&1 &
+    reference_setup=$!
+    set +m
+fi
 
 # While one generation's tests run, the next generation's tree builds at the lowest nice level:
 # it takes the CPU that the tests leave free - they mostly wait on sockets, processes and
 # timeouts - and next to nothing while they compute, so it cannot slow a timed test. Its output
 # goes to build-<gen>.log.
 background=""
-trap '[ -z "$background" ] || kill -- "-${background##*:}" 2>/dev/null || true' EXIT
+trap '[ -z "$background" ] || kill -- "-${background##*:}" 2>/dev/null || true
+      [ -z "$reference_setup" ] || kill -- "-$reference_setup" 2>/dev/null || true' EXIT
 for i in "${!generations[@]}"; do
     gen="${generations[$i]}"
     if [ "${background%%:*}" = "$gen" ]; then
@@ -51,7 +66,7 @@ for i in "${!generations[@]}"; do
         wait "${background##*:}" || { cat "build-$gen.log"; exit 1; }
         background=""
         grep "spbcast:" "build-$gen.log"
-    elif [ "$gen" != python ]; then
+    elif [ "$gen" != python ] && [ "$gen" != python-2.9 ]; then
         build "$gen"  # refuses an unknown generation
     fi
     next="${generations[$((i + 1))]:-}"
@@ -69,6 +84,12 @@ for i in "${!generations[@]}"; do
         SPBCAST_VENV="$VENV" ./scripts/python_package.sh
         # From the repository root, so that `import spbcast` finds the installed package.
         "$VENV/bin/python" -m pytest -q python/tests
+    elif [ "$gen" = python-2.9 ]; then
+        echo "=== spbcast: waiting for the reference environment (build-python-2.9.setup.log)"
+        wait "$reference_setup" || { grep -v "^WARNING: Location" build-python-2.9.setup.log; exit 1; }
+        reference_setup=""
+        echo "=== spbcast: Python package on PyTorch 2.9.1 ($REFERENCE_VENV)"
+        "$REFERENCE_VENV/bin/python" -m pytest -q python/tests
     else
         (cd "build/$gen" && ctest --output-on-failure --timeout 900)
     fi

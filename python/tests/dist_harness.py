@@ -21,10 +21,27 @@ def _entry(rank, world, init_file, fn, args, prepare):
         prepare(rank)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
+    wait_for_every_rank(init_file + ".set-up", world)
     try:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+
+
+def wait_for_every_rank(path, world, timeout=60):
+    """Returns once every rank of the job called it (a FileStore at ``path``, not a collective:
+    it works whatever the group's backends). Called right after init_process_group, it keeps
+    the invariant that every rank's group is set up before any rank runs a case: a rank that
+    fails at once (a bad configuration, raised before any collective) must not tear its group
+    down while another is still connecting to it - that one would fail with "Connection closed
+    by peer", on a busy machine."""
+    store = dist.FileStore(path, world)
+    store.add("set-up", 1)
+    end = time.monotonic() + timeout
+    while store.add("set-up", 0) < world:
+        if time.monotonic() > end:
+            raise TimeoutError(f"not every rank set up its group within {timeout} s")
+        time.sleep(0.01)
 
 
 def run(world, fn, *args, timeout=120, prepare=None):

@@ -113,3 +113,41 @@ def _draw_limits(rank, world):
 
 def test_draws_that_cannot_be_mirrored_say_why():
     run(2, _draw_limits, timeout=120)
+
+
+GROUP_TIMEOUT, LATE, HUNG = 4, 2.5, 6.5  # seconds; the loader's own timeout is 1 s
+
+
+def _patience(rank, world):
+    # The SP group's own timeout is the followers' patience with a leader late outside the loader
+    # (a checkpoint upload on rank 0): longer than the loader's timeout, it is not a failure; a
+    # leader hung longer than it fails its followers within it, plus a little.
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    sp = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=GROUP_TIMEOUT))
+    # An explicit root_wait overrides the group's.
+    assert spbcast.LeaderLoader(list, sp, sp_media_dedup=True, total_epoch=1, root_wait=7).root_wait == 7
+    ll = spbcast.LeaderLoader(lambda: [[torch.full((2,), i)] for i in range(5)], sp,
+                              sp_media_dedup=True, total_epoch=1, timeout=1)
+    assert ll.root_wait == GROUP_TIMEOUT
+    it = iter(ll)
+    assert next(it)[0].tolist() == [0, 0]
+    if rank == 0:
+        time.sleep(LATE)
+    assert next(it)[0].tolist() == [1, 1], "a leader late less than the group's timeout"
+    if rank == 0:
+        time.sleep(HUNG)  # its follower gave up meanwhile: the group is broken, whatever comes next
+        return
+    start = time.monotonic()
+    with pytest.raises(spbcast.TransportError) as info:
+        next(it)
+    waited = time.monotonic() - start
+    assert info.value.code == "timeout" and "root_wait" in str(info.value), str(info.value)
+    assert GROUP_TIMEOUT - 0.5 <= waited <= GROUP_TIMEOUT + 2, f"gave up after {waited:.1f} s"
+
+
+def test_followers_wait_as_long_as_the_group():
+    run(2, _patience, timeout=60)

@@ -172,6 +172,10 @@ def _switch_checks(data):
     import spbcast.xtuner
 
     tokenizer = xt.xp.make_tokenizer()
+    import gc
+    import weakref
+
+    import torch
 
     def build(shape, names=("dp", "sp", "tp"), dedup=True, dp="dp"):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names) if shape else None
@@ -195,8 +199,23 @@ def _switch_checks(data):
                "no_mesh": outcome(lambda: build(None)),
                "rl_worker_mesh": outcome(lambda: build((2, 2), names=("dp", "sp"))),
                "dp_only_mesh": outcome(lambda: build((4,), names=("dp",)))}
-    loader = build((2, 2, 1))
+    # What each rank holds after build: the leader its Dataloader and datasets, a follower nothing
+    # (both are built on every rank, collectively, then dropped on followers).
+    built = []
+    dataloader_init = torch.utils.data.DataLoader.__init__
+
+    def recording_init(self, dataset, *args, **kwargs):
+        built.extend((weakref.ref(self), weakref.ref(dataset)))
+        dataloader_init(self, dataset, *args, **kwargs)
+
+    torch.utils.data.DataLoader.__init__ = recording_init
+    try:
+        loader = build((2, 2, 1))
+    finally:
+        torch.utils.data.DataLoader.__init__ = dataloader_init
+    gc.collect()
     results["on"] = type(loader).__name__
+    results["alive_after_build"] = sum(ref() is not None for ref in built), len(built)
     for name, state in (("no_sampler", {"dataset": {}, "total_consumed_samples": 0}),
                         ("unknown_version", {"version": 99, "loader": {}}), ("not_a_dict", [1])):
         results[name] = outcome(lambda: loader.load_state_dict(state))
@@ -210,6 +229,9 @@ def test_switch_refuses_what_it_cannot_do(tmp_path):
     per_rank = xt.fork_ranks(str(tmp_path), "switch", lambda rank: _switch_checks(data))
     errors = ("tp2", "not_xtuner_mesh", "not_the_dp_dim", "no_sampler", "unknown_version", "not_a_dict")
     for rank, results in enumerate(per_rank):
+        alive, built = results.pop("alive_after_build")
+        assert built == 2 and alive == (2 if rank in LEADERS else 0), (
+            f"rank {rank}: {alive} of the Dataloader and its dataset alive after build")
         for name in errors:
             assert results[name].startswith(f"Error: spbcast: rank {rank} "), f"{name}: {results[name]}"
         anonymous = {k: re.sub(r"rank \d+", "rank N", v) for k, v in results.items()}

@@ -24,6 +24,7 @@ import traceback
 import types
 
 import xtuner_pipeline as xp  # noqa: F401 - XTuner's data code, its datasets package bare
+from dist_harness import wait_for_every_rank
 
 # Import-time shims. XTuner's writer package imports its TensorBoard writer, which imports
 # torch.utils.tensorboard (the tensorboard package, not installed); the jsonl tracker the test
@@ -237,6 +238,7 @@ def _rank_main(rank, tag, root, fn, backend):
     # in the test's directory, so no port is chosen.
     dist.init_process_group(backend, init_method=f"file://{os.path.join(root, 'store-' + tag)}",
                             rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    wait_for_every_rank(os.path.join(root, "set-up-" + tag), WORLD)
     result = fn(rank)
     torch.save(result, os.path.join(root, f"result-{tag}-rank{rank}.pt"))
     dist.destroy_process_group()
