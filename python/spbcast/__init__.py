@@ -16,10 +16,10 @@ from ._C import receive_cache_statistics, set_receive_cache_limit
 from ._shared_memory import (close_same_host_channels, release_shared_memory, set_shared_memory_limit,
                              set_shared_memory_limits, shared_memory, shared_memory_statistics)
 from ._wire import allow_classes, allow_modules
-from .errors import Error, LoaderError, RemoteError, SchemaError, TransportError
+from .errors import Error, LoaderError, RemoteError, ResumeWarning, SchemaError, TransportError
 from .loader import LeaderLoader
 
-__all__ = ["broadcast", "LeaderLoader", "allow_classes", "allow_modules", "Error", "LoaderError", "RemoteError",
+__all__ = ["broadcast", "LeaderLoader", "allow_classes", "allow_modules", "Error", "LoaderError", "RemoteError", "ResumeWarning",
            "SchemaError", "TransportError",
            "set_receive_cache_limit", "receive_cache_statistics", "shared_memory", "shared_memory_statistics",
            "set_shared_memory_limit", "set_shared_memory_limits", "release_shared_memory",

@@ -132,3 +132,10 @@ def _rebuild_loader_error(message, code, original_type, original_message):
     error = loader_error(message, original_type, original_message)
     error.code = code
     return error
+
+
+class ResumeWarning(UserWarning):
+    """LeaderLoader.load_state_dict resumes mid-epoch by dropping batches where it cannot show
+    that this gives the continuous run's order (warned on every SP rank; silence it with
+    ``warnings.simplefilter("ignore", spbcast.ResumeWarning)`` where the order is the epoch's
+    alone)."""

@@ -22,14 +22,17 @@ travel with the next step.
 
 import contextlib
 
+import warnings
+
 import torch
 import torch.distributed as dist
+import torch.utils.data.distributed
 
 from ._broadcast import (_TRANSPORTS, _group_and_root, _group_timeout, _keep_alive, _relay_chunk_bytes,
                          _same_host_path, _seconds, broadcast)
 from ._shared_memory import shared_memory
 from ._wire import decode_body
-from .errors import Error, LoaderError, RemoteError, TransportError, loader_error, type_name
+from .errors import Error, LoaderError, RemoteError, ResumeWarning, TransportError, loader_error, type_name
 
 _MT_N = 624  # words per Mersenne Twister block
 # The largest advance one loader call may make (64 Mi words: 256 MiB of random floats). An
@@ -39,7 +42,13 @@ _MT_N = 624  # words per Mersenne Twister block
 # is refused (another seed is seen at once: the state's initial seed changed).
 _MAX_WORDS_PER_CALL = 1 << 26
 _REPLAY_CHUNK = 1 << 20
-_STATE_VERSION = 2  # 2 added the pass index and the last set_epoch value
+_STATE_VERSION = 3  # 2 added the pass index and the last set_epoch value; 3 the pass's generators
+# The samplers whose pass order depends only on the generators a pass starts from (captured in
+# the state) and the epoch given to set_epoch: a DataLoader with one of these resumes exactly
+# without state of its own.
+_REPLAYABLE_SAMPLERS = (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler,
+                        torch.utils.data.SubsetRandomSampler, torch.utils.data.WeightedRandomSampler,
+                        torch.utils.data.distributed.DistributedSampler)
 _END = object()
 
 
@@ -117,6 +126,11 @@ def _describe(error):
     return {"code": "loader", "type": name, "original": str(error), "text": f"{name}: {error}"}
 
 
+def _warn_of_resume(message):
+    if message is not None:
+        warnings.warn(message, ResumeWarning, stacklevel=3)
+
+
 def _is_description(error):
     return error is None or (type(error) is dict and set(error) == {"code", "type", "original", "text"}
                              and all(type(v) is str for v in error.values()))
@@ -138,6 +152,7 @@ class _Steps:
         done, batch = self._loader._next()
         if done:
             self._done = True
+            self._loader._exhausted = not self._loader.per_pass
             raise StopIteration
         return batch
 
@@ -266,9 +281,13 @@ class LeaderLoader:
         self._in_epoch = 0
         self._epoch_value = None  # the last value given to the loader's set_epoch
         self._skip = 0  # batches to drop when resuming mid-epoch without loader state
+        self._pass_generators = None  # the generators' states when the current pass began
+        self._replay_from = None  # resuming: the saved pass's generators, to replay it from
         self._resumed = False  # load_state_dict ran and no batch was fetched since
         self._end_of_epoch_pending = False  # resumed at an epoch's end through the loader's state
         self._finished = False
+        self._exhausted = False  # the whole run was iterated (the loader drives the epochs)
+        self._closed = False
         self._iter = None
         # The dedup leader's calls into its loader made outside a step, run at its next fetch,
         # and the generator words drawn outside a step, sent with the next one.
@@ -341,6 +360,15 @@ class LeaderLoader:
         return self.length if self.per_pass else self.length * self.total_epoch
 
     def __iter__(self):
+        if self._closed:
+            raise Error(self._where() + ": this LeaderLoader is closed", "invalid_argument")
+        if self._exhausted:
+            raise Error(self._where() + ": this LeaderLoader has run all its "
+                        + (f"{self.total_epoch} epochs" if self.total_epoch is not None else
+                           f"{self.total_step} steps")
+                        + " (it drives the epochs itself: one iteration is the whole run); make a new "
+                        "one, or pass set_epoch=None for one pass per iter() as a DataLoader",
+                        "invalid_argument")
         if self.per_pass:
             # One pass per iter(), as the loader's own: a new iter() starts a new pass, except
             # the first after load_state_dict, which continues where the state was taken.
@@ -355,10 +383,39 @@ class LeaderLoader:
         on the leader - on the dedup leader at its next fetch, inside the step, so a slow
         set_epoch is covered by keep-alive frames and the generator words it draws reach the
         followers with that step - and nothing on the followers."""
+        if not self.per_pass:
+            raise Error(self._where() + f": set_epoch({epoch!r}) on a LeaderLoader that drives the "
+                        "epochs itself (total_epoch / total_step): it calls the loader's set_epoch "
+                        "as set_epoch= says; pass set_epoch=None to drive the epochs from the trainer",
+                        "invalid_argument")
         self.epoch = epoch
         if self.loader is not None:
             self._leader_work(f"calling the loader's set_epoch({epoch!r})",
                               lambda words: self._set_epoch(epoch, words))
+
+    def close(self):
+        """Stops what the loader started on this rank: its iterator (a DataLoader's worker
+        processes with it, persistent ones included) and the loader itself. Call it on every
+        SP rank (nothing in it is a collective); the loader cannot be iterated afterwards.
+        ``with LeaderLoader(...) as loader:`` closes it on leaving the block."""
+        if self._closed:
+            return
+        self._closed = True
+        # torch-internal, named here only: a DataLoader iterator's _shutdown_workers() and the
+        # DataLoader's _iterator (its persistent workers' iterator). Where a torch has neither,
+        # dropping the references below ends the workers when the iterator is collected.
+        for it in (self._iter, getattr(self.loader, "_iterator", None)):
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if callable(shutdown):
+                shutdown()
+        self._iter = self.loader = None
+        self._pending = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def state_dict(self):
         """The loop position and the loader's own state (state_dict(), get_state_dict() or the
@@ -380,14 +437,17 @@ class LeaderLoader:
         if save is not None:
             state["loader"] = self._outside_step("taking the loader's state",
                                                  lambda: save(*args, **kwargs))
+        else:  # what the pass's order came from, to replay it on resume
+            state["pass_generators"] = self._pass_generators
         return state
 
     def load_state_dict(self, state):
         """Continues exactly where state_dict() was taken, from the next batch. The last epoch
         given to the loader's set_epoch is given again, then the loader's own state restored. A
-        loader without state of its own is fast-forwarded: the resumed epoch's first batches are
-        loaded and dropped, which is exact when the epoch's order depends only on the epoch (a
-        sampler with set_epoch, as DistributedSampler).
+        loader without state of its own is fast-forwarded: the resumed epoch is started again from
+        the generators it began with and its first batches are loaded and dropped - exact for a
+        DataLoader with one of torch's samplers; for any other loader it warns (ResumeWarning),
+        on every SP rank, as its order may depend on what spbcast cannot restore.
 
         Under dedup, call it on every SP rank (as a trainer calls its loader's): it is a
         collective over the SP group. The leader checks the state and restores its loader at
@@ -395,30 +455,32 @@ class LeaderLoader:
         leader's load raised - a state the leader cannot load is an error on every SP rank, here,
         not at the first fetch."""
         if not self.dedup:
-            self._load(state)
+            _warn_of_resume(self._load(state))
             return
-        outcome, failure = {"error": None}, None
+        outcome, failure = {"error": None, "warning": None}, None
         if self.is_leader:
             try:
-                self._load(state)
+                outcome["warning"] = self._load(state)
                 self._run_pending_outside_step()  # now: what it raises is load_state_dict's
             except Exception as e:  # noqa: BLE001 - sent to the followers, re-raised below
                 failure = e
                 outcome["error"] = _describe(e)
         outcome = broadcast(outcome, self.group, self._leader, _name="load_state_dict",
                             **self._broadcast_options())
-        if not (type(outcome) is dict and set(outcome) == {"error"} and _is_description(outcome["error"])):
+        if not (type(outcome) is dict and set(outcome) == {"error", "warning"}
+                and _is_description(outcome["error"]) and type(outcome["warning"]) in (str, type(None))):
             raise Error(self._where() + f": the SP leader (rank {self._leader}) sent a load_state_dict "
                         "outcome that is not LeaderLoader's (is the same spbcast installed on every "
                         "rank?)", "corrupt_frame")
         if outcome["error"] is None:
+            _warn_of_resume(outcome["warning"])
             return
         if isinstance(failure, Error) and not isinstance(failure, LoaderError):
             raise failure  # the leader's own words about the state it was given
         raise self._leader_failed("loading its state", outcome["error"], failure)
 
     def _load(self, state):
-        if not isinstance(state, dict) or state.get("version") not in (1, _STATE_VERSION):
+        if not isinstance(state, dict) or state.get("version") not in (1, 2, _STATE_VERSION):
             raise Error(self._where() + ": load_state_dict got a state that LeaderLoader."
                         "state_dict did not write; pass the SP leader's state_dict()",
                         "invalid_argument")
@@ -429,7 +491,8 @@ class LeaderLoader:
         else:
             self._pass, self._epoch_value = state["pass"], state["epoch_value"]
         self._iter = None
-        self._finished = False
+        self._finished = self._exhausted = False
+        self._pass_generators = state.get("pass_generators")
         self._resumed = True
         self._end_of_epoch_pending = False
         self._skip = 0
@@ -457,6 +520,22 @@ class LeaderLoader:
             self._end_of_epoch_pending = own_state
         elif not own_state:
             self._skip = self._in_epoch
+            generators = state.get("pass_generators")
+            if self._skip > 0 and generators is not None and self._replay_is_exact():
+                self._replay_from = generators
+            elif self._skip > 0:
+                return (self._where() + f": resuming mid-epoch (step {self._in_epoch} of epoch "
+                        f"{self.epoch}) by dropping the epoch's first {self._skip} batches, which "
+                        "gives the continuous run's batches only if the loader's order depends on "
+                        "nothing but the epoch given to set_epoch: "
+                        + ("the state holds no generators of the pass (written by an older spbcast)"
+                           if generators is None else
+                           f"{type(self.loader).__name__} is not a DataLoader with one of torch's "
+                           "samplers, whose pass spbcast replays from its generators")
+                        + "; give the loader state of its own (state_dict / load_state_dict, "
+                        "torchdata's StatefulDataLoader) or state_hooks=, or silence "
+                        "spbcast.ResumeWarning if the order is the epoch's alone")
+        return None
 
     # ---- steps ----------------------------------------------------------------------------------
 
@@ -555,7 +634,7 @@ class LeaderLoader:
     def _checked_step(self, body):
         if type(body) is dict and body.get("error") is not None:  # still in wire form
             body["error"] = decode_body(body["error"], self.rank, f"step[{body.get('step')}][\"error\"]")
-        if type(body) is dict and set(body) == {"error"}:
+        if type(body) is dict and set(body) == {"error", "warning"}:
             raise Error(self._where() + f": the SP leader (rank {self._leader}) is in load_state_dict "
                         "while this rank fetches a step: call load_state_dict on every SP rank "
                         "(followers may pass None)", "out_of_step")
@@ -592,7 +671,10 @@ class LeaderLoader:
         self._resumed = False
         empty_passes = 0
         while True:
+            if self._iter is None and self._replay_from is not None:
+                self._replay_pass()
             if self._iter is None:
+                self._pass_generators = self._generator_states()
                 self._iter = self._call(iter, self.loader, words, "creating the loader's iterator")
             batch = self._call(next, self._iter, words, "fetching a batch", _END)
             if self._end_of_epoch_pending:
@@ -619,6 +701,57 @@ class LeaderLoader:
             if empty_passes == 2:
                 raise Error(self._where() + ": the data loader yielded no batch for a whole epoch; "
                             "check the dataset and the sampler", "loader")
+
+    def _generators(self):
+        """The torch generators the loader's pass order may draw from, by name: the default CPU
+        generator and those a DataLoader and its samplers were given."""
+        found = {"default": None}
+        for name, owner in (("loader", self.loader), ("sampler", getattr(self.loader, "sampler", None)),
+                            ("batch_sampler.sampler",
+                             getattr(getattr(self.loader, "batch_sampler", None), "sampler", None))):
+            generator = getattr(owner, "generator", None)
+            if isinstance(generator, torch.Generator) and generator.device.type == "cpu":
+                found[name] = generator
+        return found
+
+    def _generator_states(self):
+        # As lists of byte values: a state a trainer may save with json as well as torch.save.
+        return {name: (torch.get_rng_state() if g is None else g.get_state()).tolist()
+                for name, g in self._generators().items()}
+
+    def _replay_pass(self):
+        """Resuming mid-pass without the loader's own state: the pass is started again from the
+        generators it started from and the batches taken before the checkpoint are drawn and
+        dropped, so the order is the continuous run's. The default generator is the trainer's:
+        it is borrowed for the replay and given back as it was (nothing to mirror)."""
+        saved, trainers = self._replay_from, torch.get_rng_state()
+        self._replay_from = None
+        generators = self._generators()
+        for name, state in saved.items():
+            state = torch.tensor(state, dtype=torch.uint8)
+            if name == "default":
+                torch.set_rng_state(state)
+            elif name in generators:
+                generators[name].set_state(state)
+        try:
+            self._iter = iter(self.loader)
+            for _ in range(self._skip):
+                if next(self._iter, _END) is _END:
+                    break
+        finally:
+            torch.set_rng_state(trainers)
+        self._pass_generators, self._skip = saved, 0
+
+    def _replay_is_exact(self):
+        """Whether replaying a pass from its generators gives the continuous run's order: a
+        DataLoader whose sampler is one of torch's own (else a sampler's order may depend on
+        what spbcast cannot capture: Python's or numpy's generators, a dataset's own state)."""
+        if not isinstance(self.loader, torch.utils.data.DataLoader):
+            return False
+        sampler = self.loader.sampler
+        if type(self.loader.batch_sampler) is torch.utils.data.BatchSampler:
+            sampler = self.loader.batch_sampler.sampler
+        return type(sampler) in _REPLAYABLE_SAMPLERS
 
     def _call(self, fn, arg, words, doing, *default):
         if words is None:

@@ -122,9 +122,9 @@ class XTunerLeaderLoader(LeaderLoader):
             raise loader_error(where + message, "TypeError", message, TypeError)
         position = None
         if "version" in state and "loader" in state:  # LeaderLoader.state_dict's own layout
-            if state["version"] not in (1, 2):
+            if state["version"] not in (1, 2, 3):
                 raise Error(where + f"the dataloader state is LeaderLoader's version "
-                            f"{state['version']!r}, which this spbcast does not know (1 and 2); "
+                            f"{state['version']!r}, which this spbcast does not know (1 to 3); "
                             "resume with the spbcast that wrote it", "version_mismatch")
             position = {k: v for k, v in state.items() if k != "loader"}
             state = state["loader"]

@@ -5,6 +5,7 @@ import functools
 import json
 import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -124,9 +125,9 @@ def test_two_sp_groups_of_two():
 TOTAL = 40
 
 
-def _continuous(rank, world, out_dir, save_at):
+def _continuous(rank, world, out_dir, save_at, epoch_sampler):
     torch.manual_seed(99)
-    ll = spbcast.LeaderLoader(_make(2, False, sampler=True), None, sp_media_dedup=True,
+    ll = spbcast.LeaderLoader(_make(2, False, sampler=epoch_sampler), None, sp_media_dedup=True,
                               total_step=TOTAL)
     digests = []
     for batch in ll:
@@ -134,22 +135,35 @@ def _continuous(rank, world, out_dir, save_at):
         _model_step()
         if ll.step == save_at and ll.is_leader:
             with open(os.path.join(out_dir, "state.json"), "w") as f:
-                json.dump(ll.state_dict(), f)
+                json.dump({"loader": ll.state_dict(), "rng": torch.get_rng_state().tolist()}, f)
     assert len(digests) == TOTAL
     with open(os.path.join(out_dir, f"continuous{rank}.json"), "w") as f:
         json.dump(digests, f)
 
 
-def _resumed(rank, world, out_dir, save_at):
+def _resumed(rank, world, out_dir, save_at, epoch_sampler):
     with open(os.path.join(out_dir, "state.json")) as f:
-        state = json.load(f)
+        saved = json.load(f)
+    state = saved["loader"]
     results = {}
     for dedup in (False, True):
-        torch.manual_seed(7)  # a new process: a seed of its own
-        ll = spbcast.LeaderLoader(_make(2, False, sampler=True), None, sp_media_dedup=dedup,
+        if epoch_sampler:
+            torch.manual_seed(7)  # a new process: a seed of its own (the order is the epoch's)
+        else:  # as a trainer restores its generator: the later epochs' orders are drawn from it
+            torch.set_rng_state(torch.tensor(saved["rng"], dtype=torch.uint8))
+        ll = spbcast.LeaderLoader(_make(2, False, sampler=epoch_sampler), None, sp_media_dedup=dedup,
                                   total_step=TOTAL)
-        # Dedup: only the leader needs the state; BASE: every rank loads it.
-        ll.load_state_dict(state if (ll.is_leader or not dedup) else None)
+        # Dedup: only the leader needs the state; BASE: every rank loads it. A sampler of the
+        # program's own is resumed by dropping batches, warned about on every rank; torch's
+        # RandomSampler is replayed from the generators its pass began with, exactly.
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            ll.load_state_dict(state if (ll.is_leader or not dedup) else None)
+        resume_warnings = [str(w.message) for w in warned if w.category is spbcast.ResumeWarning]
+        mid_epoch = save_at % 8 != 0
+        assert len(resume_warnings) == (epoch_sampler and mid_epoch), resume_warnings
+        if resume_warnings:
+            assert "by dropping the epoch's first 4 batches" in resume_warnings[0], resume_warnings[0]
         digests, states = [], []
         for batch in ll:
             digests.append(digest(batch))
@@ -165,11 +179,13 @@ def _resumed(rank, world, out_dir, save_at):
 
 
 # Step 20 is mid-epoch (8 steps an epoch); step 16 is an epoch's last batch, after which the
-# resumed run must start the next epoch.
-@pytest.mark.parametrize("save_at", [20, 16])
-def test_restart_of_40_steps(tmp_path, save_at):
-    run(2, _continuous, str(tmp_path), save_at)
-    run(2, _resumed, str(tmp_path), save_at)
+# resumed run must start the next epoch. The epoch sampler's order is its epoch's alone; a plain
+# DataLoader's RandomSampler draws its order from the default generator as each epoch begins.
+@pytest.mark.parametrize("save_at,epoch_sampler", [(20, True), (16, True), (20, False)],
+                         ids=["mid-epoch", "epoch end", "mid-epoch, RandomSampler"])
+def test_restart_of_40_steps(tmp_path, save_at, epoch_sampler):
+    run(2, _continuous, str(tmp_path), save_at, epoch_sampler)
+    run(2, _resumed, str(tmp_path), save_at, epoch_sampler)
 
 
 def _stateful(rank, world):
@@ -359,3 +375,36 @@ def _leader_allocation(rank, world):
 
 def test_leader_allocates_only_on_the_same_host_path():
     run(2, _leader_allocation)
+
+
+def _torch_shaped(rank, world):
+    import importlib.metadata
+    import multiprocessing
+
+    from torch.utils.data import DataLoader
+
+    assert spbcast.__version__ == importlib.metadata.version("spbcast")
+    # A loader that drives its own epochs: one iteration is the whole run; iterating it again,
+    # or a trainer's set_epoch, is an error that says why (on every rank, no collective).
+    ll = spbcast.LeaderLoader(lambda: [[torch.ones(1)]] * 3, None, sp_media_dedup=True, total_epoch=2)
+    assert len(ll) == 6 and len(list(ll)) == 6
+    with pytest.raises(spbcast.Error, match="has run all its 2 epochs") as info:
+        iter(ll)
+    assert info.value.code == "invalid_argument"
+    with pytest.raises(spbcast.Error, match=r"set_epoch\(5\) on a LeaderLoader that drives the epochs"):
+        ll.set_epoch(5)
+    # close() and the context manager stop what the loader started: the leader's persistent
+    # DataLoader workers.
+    make = lambda: DataLoader(list(range(8)), batch_size=2, num_workers=2,  # noqa: E731
+                              persistent_workers=True, multiprocessing_context="fork")
+    with spbcast.LeaderLoader(make, None, sp_media_dedup=True, total_epoch=1) as ll:
+        assert next(iter(ll)).tolist() == [0, 1]
+        assert len(multiprocessing.active_children()) == (2 if rank == 0 else 0)
+    assert multiprocessing.active_children() == [] and ll.loader is None
+    with pytest.raises(spbcast.Error, match="is closed"):
+        iter(ll)
+    assert spbcast.broadcast("ok" if rank == 0 else None) == "ok"  # the group is in step
+
+
+def test_torch_shaped_api():
+    run(2, _torch_shaped)
