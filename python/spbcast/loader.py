@@ -21,6 +21,9 @@ travel with the next step.
 """
 
 import contextlib
+import dataclasses
+import logging
+import time
 
 import warnings
 
@@ -29,7 +32,7 @@ import torch.distributed as dist
 import torch.utils.data.distributed
 
 from ._broadcast import (_TRANSPORTS, _group_and_root, _group_timeout, _keep_alive, _relay_chunk_bytes,
-                         _same_host_path, _seconds, broadcast)
+                         _relay_hosts, _same_host_path, _seconds, broadcast)
 from ._shared_memory import shared_memory
 from ._wire import decode_body
 from .errors import Error, LoaderError, RemoteError, ResumeWarning, TransportError, loader_error, type_name
@@ -126,6 +129,24 @@ def _describe(error):
     return {"code": "loader", "type": name, "original": str(error), "text": f"{name}: {error}"}
 
 
+def _tensor_bytes(value, seen=None):
+    """The bytes of the distinct tensor storages in a batch (as spbcast sends each once)."""
+    seen = set() if seen is None else seen
+    if isinstance(value, torch.Tensor):
+        storage = value.untyped_storage()
+        if storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v, seen) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v, seen) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(_tensor_bytes(getattr(value, f.name), seen) for f in dataclasses.fields(value))
+    return 0
+
+
 def _warn_of_resume(message):
     if message is not None:
         warnings.warn(message, ResumeWarning, stacklevel=3)
@@ -201,6 +222,9 @@ class LeaderLoader:
     relay_chunk_bytes: the chunk in which the hierarchical path relays each batch from host
         leader to host leader, as in ``spbcast.broadcast``: a positive int; None: 4 MiB. The
         leader's value is used, clamped to 64 KiB .. 1 GiB.
+    log_every, log: every ``log_every`` steps (0: never) and at the end of the data, a one-line
+        summary of ``stats()`` goes to ``log`` (a callable taking the line; default: the
+        ``spbcast`` logger of Python's logging, at INFO).
     leader_allocates_in_shared_memory: on the same-host path the leader fetches each batch inside
         ``spbcast.shared_memory()``, so the batch's large tensors are born in shared memory and
         the broadcast copies nothing. Off (or with transport "network", or where the group took
@@ -215,7 +239,8 @@ class LeaderLoader:
     def __init__(self, make_loader, sp_group=None, *, sp_media_dedup, total_epoch=None,
                  total_step=None, first_epoch=0, set_epoch="auto", build_on_every_rank=None,
                  state_hooks=None, tp_size=1, timeout=None, root_wait=None, transport="auto",
-                 relay_chunk_bytes=None, leader_allocates_in_shared_memory=True):
+                 relay_chunk_bytes=None, leader_allocates_in_shared_memory=True, log_every=100,
+                 log=None):
         # Checked on every rank before any collective, so a bad configuration is one clear error
         # everywhere rather than a rank stuck in a collective.
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -275,6 +300,13 @@ class LeaderLoader:
         self.transport = transport
         self.relay_chunk_bytes = relay_chunk_bytes
         self.leader_allocates_in_shared_memory = bool(leader_allocates_in_shared_memory)
+        if type(log_every) is not int or log_every < 0:
+            raise Error(where + f"log_every must be an int of at least 0 (got {log_every!r})",
+                        "invalid_argument")
+        self.log_every = log_every
+        self._log = log if log is not None else logging.getLogger("spbcast").info
+        self._stats = {"steps": 0, "bytes": 0, "loader_seconds": 0.0, "broadcast_seconds": 0.0,
+                       "leader_loader_seconds": 0.0}
         self.epoch = first_epoch
         self.step = 0
         self._pass = 0  # passes completed
@@ -541,11 +573,16 @@ class LeaderLoader:
 
     def _next(self):
         if not self.dedup:
+            started = time.monotonic()
             batch = self._fetch(None)
+            received = {"done": batch is _END, "seconds": time.monotonic() - started}
+            self._count_step(received, batch, 0.0)
             return batch is _END, (None if batch is _END else batch)
-        envelope = {"error": None, "epoch": 0, "step": 0, "words": 0, "done": False, "batch": None}
+        envelope = {"error": None, "epoch": 0, "step": 0, "words": 0, "done": False, "batch": None,
+                    "seconds": 0.0}
         failure = None  # the leader's own exception, the cause of what every rank raises
         if self.is_leader:
+            started = time.monotonic()
             words = [self._carried_words]
             self._carried_words = 0
             try:
@@ -564,7 +601,10 @@ class LeaderLoader:
                 envelope["error"] = _describe(e)
             envelope["words"] = words[0]
             envelope["epoch"], envelope["step"] = self.epoch, self.step
+            envelope["seconds"] = time.monotonic() - started
+        sending = time.monotonic()
         received, refusal = self._send_step(envelope)
+        seconds = time.monotonic() - sending
         if not self.is_leader:
             # Before anything can fail: the leader's draws and counters, whatever the step's
             # outcome (a fetch that raised, a batch refused), so the mirror survives the error.
@@ -575,10 +615,61 @@ class LeaderLoader:
             doing = (f"sending step {received['step']}" if received["error"]["code"] != "loader"
                      else f"fetching step {received['step'] + 1}")
             raise self._leader_failed(doing, received["error"], failure or refusal)
+        batch = received["batch"]
+        if not self.is_leader and not received["done"]:
+            batch = decode_body(batch, self.rank, f'step[{received["step"]}]["batch"]')
+        self._count_step(received, batch, seconds)
+        return received["done"], batch
+
+    def stats(self):
+        """What the loop's broadcasts did on this rank, so far: ``path`` - how batches travel
+        ("same_host": the followers map the leader's shared pages; "hierarchical": relayed once
+        per host; "network": over the group's sockets; "local": no dedup, every rank loads),
+        ``steps`` and ``bytes`` (the batches' tensor bytes), ``loader_seconds`` (the leader: in
+        its loader), ``broadcast_seconds`` (in the steps' broadcasts - on a follower that
+        includes waiting for the leader's loader), ``leader_loader_seconds`` (a follower: the
+        leader's loader time for the same steps, so the transfer is about broadcast_seconds
+        minus it) and ``prefetch_hits`` (steps whose batch was already here: none, the loop is
+        synchronous)."""
+        return dict(self._stats, path=self._path(), prefetch_hits=0)
+
+    def _path(self):
+        if not self.dedup:
+            return "local"
+        if self.transport == "network":  # the group's same-host state is for other broadcasts
+            return "network"
+        if self._same_host_path():
+            return "same_host"
+        return "hierarchical" if _relay_hosts(self.group, self._leader) else "network"
+
+    def _same_host_path(self):
+        return _same_host_path(self.group, self._leader) is True
+
+    def _count_step(self, received, batch, seconds):
+        stats = self._stats
+        stats["broadcast_seconds"] += seconds
+        if received["done"]:
+            if self.log_every:
+                self._log(self._summary())
+            return
+        stats["steps"] += 1
+        stats["bytes"] += _tensor_bytes(batch)
+        if self.is_leader or not self.dedup:
+            stats["loader_seconds"] += received["seconds"]
+        else:
+            stats["leader_loader_seconds"] += received["seconds"]
+        if self.log_every and stats["steps"] % self.log_every == 0:
+            self._log(self._summary())
+
+    def _summary(self):
+        s = self.stats()
+        line = (self._where() + f": {s['steps']} steps on the {s['path']} path, "
+                f"{s['bytes'] / (1 << 20):.1f} MiB")
         if self.is_leader:
-            return received["done"], received["batch"]
-        return received["done"], decode_body(received["batch"], self.rank,
-                                             f'step[{received["step"]}]["batch"]')
+            return line + (f" sent; {s['loader_seconds']:.2f} s in the loader, "
+                           f"{s['broadcast_seconds']:.2f} s broadcasting")
+        return line + (f"; {s['broadcast_seconds']:.2f} s in the broadcasts, "
+                       f"{s['leader_loader_seconds']:.2f} s of it the leader's loader")
 
     def _broadcast_options(self):
         return dict(timeout=self.timeout, root_wait=self.root_wait, transport=self.transport,
@@ -638,7 +729,8 @@ class LeaderLoader:
             raise Error(self._where() + f": the SP leader (rank {self._leader}) is in load_state_dict "
                         "while this rank fetches a step: call load_state_dict on every SP rank "
                         "(followers may pass None)", "out_of_step")
-        if not (type(body) is dict and set(body) == {"error", "epoch", "step", "words", "done", "batch"}
+        if not (type(body) is dict and set(body) == {"error", "epoch", "step", "words", "done", "batch", "seconds"}
+                and type(body["seconds"]) is float
                 and _is_description(body["error"])
                 and type(body["epoch"]) is int and type(body["step"]) is int
                 and type(body["done"]) is bool):
@@ -659,7 +751,7 @@ class LeaderLoader:
         # same-host path, which the first broadcast (loader_init) decided, and the switch is on.
         if not self.leader_allocates_in_shared_memory or self.transport == "network":
             return False
-        return _same_host_path(self.group, self._leader) is True
+        return self._same_host_path()
 
     def _fetch(self, words):
         """The one fetch/epoch loop: the next batch of the current pass; at the end of a pass,

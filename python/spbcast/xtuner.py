@@ -24,6 +24,7 @@ import torch.distributed as dist
 from pydantic import ConfigDict
 from xtuner.v1.data_proto.sequence_context import DSATopKCacheState, SequenceContext
 from xtuner.v1.datasets.config import DataloaderConfig as _XTunerDataloaderConfig
+from xtuner.v1.utils import get_logger
 
 from ._wire import allow_classes
 from .errors import Error, loader_error
@@ -93,8 +94,9 @@ class XTunerLeaderLoader(LeaderLoader):
 
     def __init__(self, dataloader, sp_group, *, batch_samples, root_wait=None):
         # XTuner's own loop drives the passes (set_epoch=None), numbered from 1.
+        # Its summary of the broadcasts goes to XTuner's own log, where its users look.
         super().__init__(lambda: dataloader, sp_group, sp_media_dedup=True, first_epoch=1,
-                         set_epoch=None, root_wait=root_wait)
+                         set_epoch=None, root_wait=root_wait, log=lambda line: get_logger().info(line))
         self._batch_samples = batch_samples  # samples per step over the DP group
 
     def get_state_dict(self):

@@ -408,3 +408,35 @@ def _torch_shaped(rank, world):
 
 def test_torch_shaped_api():
     run(2, _torch_shaped)
+
+
+class Slow:
+    """Three batches of 4 KiB (a view and its base: one storage), 50 ms each to load."""
+
+    def __iter__(self):
+        for i in range(3):
+            time.sleep(0.05)
+            t = torch.full((1024,), float(i))
+            yield {"t": t, "view": t[:10]}
+
+
+def _stats(rank, world):
+    for transport, path in (("auto", "same_host"), ("network", "network")):
+        lines = []
+        ll = spbcast.LeaderLoader(Slow, None, sp_media_dedup=True, total_epoch=1,
+                                  transport=transport, log_every=2, log=lines.append)
+        assert len(list(ll)) == 3
+        s = ll.stats()
+        assert (s["path"], s["steps"], s["bytes"], s["prefetch_hits"]) == (path, 3, 3 * 4096, 0), s
+        # The leader's loader time: its own on the leader, reported to the followers.
+        seen = s["loader_seconds"] if rank == 0 else s["leader_loader_seconds"]
+        assert 0.15 <= seen < 5, s
+        assert s["broadcast_seconds"] >= (0 if rank == 0 else 0.1), s
+        # One line at step 2, one at the end of the data.
+        assert len(lines) == 2 and f"3 steps on the {path} path, 0.0 MiB" in lines[1], lines
+    ll = spbcast.LeaderLoader(Slow, None, sp_media_dedup=False, total_epoch=1, log_every=0)
+    assert len(list(ll)) == 3 and ll.stats()["path"] == "local" and ll.stats()["steps"] == 3
+
+
+def test_stats_say_what_the_broadcasts_did():
+    run(2, _stats)

@@ -67,8 +67,9 @@ WORLD = DP * SP
 def _cpu_runtime_shims():
     """What XTuner main calls on an accelerator that a CPU-only torch lacks."""
     # Trainer._init_dist calls torch.accelerator.set_device_index unconditionally; with no
-    # accelerator it raises.
-    if torch.accelerator.current_accelerator() is None:
+    # accelerator it raises (a CPU wheel has none; a CUDA build, as PyPI's torch 2.9.1, names
+    # CUDA as its accelerator but has no device here, and initializing it in the forked rank fails).
+    if not torch.accelerator.is_available():
         torch.accelerator.set_device_index = lambda index: None
     # XTuner's CPU device module is torch.cpu; fit(), _log_step and _maybe_save call these
     # CUDA memory statistics on it.
