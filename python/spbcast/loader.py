@@ -120,13 +120,19 @@ def _describe(error):
     for it (``loader`` for the loader's own exception), the type and message of the loader's
     exception, and the text every rank's message ends with."""
     if isinstance(error, LoaderError):
-        return {"code": error.code, "type": error.original_type, "original": error.original_message,
-                "text": str(error)}
+        return {"code": error.code, "type": error.original_type,
+                "original": _text(error.original_message), "text": _text(error)}
     if isinstance(error, Error):
-        return {"code": error.code, "type": type_name(type(error)), "original": str(error),
-                "text": str(error)}
+        return {"code": error.code, "type": type_name(type(error)), "original": _text(error),
+                "text": _text(error)}
     name = type_name(type(error))
-    return {"code": "loader", "type": name, "original": str(error), "text": f"{name}: {error}"}
+    return {"code": "loader", "type": name, "original": _text(error), "text": f"{name}: {_text(error)}"}
+
+
+def _text(value):
+    """str(value) as a plain str: an exception's message may be a str subclass (a DataLoader
+    worker's KeyError carries torch's KeyErrorMessage), which spbcast would refuse to send."""
+    return str.__str__(str(value))
 
 
 def _tensor_bytes(value, seen=None):
@@ -314,6 +320,7 @@ class LeaderLoader:
         self._epoch_value = None  # the last value given to the loader's set_epoch
         self._skip = 0  # batches to drop when resuming mid-epoch without loader state
         self._pass_generators = None  # the generators' states when the current pass began
+        self._fetches_in_pass = 0  # next() calls on the pass's iterator, those that raised included
         self._replay_from = None  # resuming: the saved pass's generators, to replay it from
         self._resumed = False  # load_state_dict ran and no batch was fetched since
         self._end_of_epoch_pending = False  # resumed at an epoch's end through the loader's state
@@ -469,8 +476,9 @@ class LeaderLoader:
         if save is not None:
             state["loader"] = self._outside_step("taking the loader's state",
                                                  lambda: save(*args, **kwargs))
-        else:  # what the pass's order came from, to replay it on resume
+        else:  # what the pass's order came from, and how far it went, to replay it on resume
             state["pass_generators"] = self._pass_generators
+            state["fetches_in_pass"] = self._fetches_in_pass
         return state
 
     def load_state_dict(self, state):
@@ -525,6 +533,7 @@ class LeaderLoader:
         self._iter = None
         self._finished = self._exhausted = False
         self._pass_generators = state.get("pass_generators")
+        self._fetches_in_pass = state.get("fetches_in_pass", self._in_epoch)
         self._resumed = True
         self._end_of_epoch_pending = False
         self._skip = 0
@@ -555,6 +564,7 @@ class LeaderLoader:
             generators = state.get("pass_generators")
             if self._skip > 0 and generators is not None and self._replay_is_exact():
                 self._replay_from = generators
+                self._skip = state.get("fetches_in_pass", self._skip)
             elif self._skip > 0:
                 return (self._where() + f": resuming mid-epoch (step {self._in_epoch} of epoch "
                         f"{self.epoch}) by dropping the epoch's first {self._skip} batches, which "
@@ -767,8 +777,14 @@ class LeaderLoader:
                 self._replay_pass()
             if self._iter is None:
                 self._pass_generators = self._generator_states()
+                self._fetches_in_pass = 0
                 self._iter = self._call(iter, self.loader, words, "creating the loader's iterator")
-            batch = self._call(next, self._iter, words, "fetching a batch", _END)
+            try:
+                batch = self._call(next, self._iter, words, "fetching a batch", _END)
+            except Exception:
+                self._fetches_in_pass += 1  # a fetch that raised took its samples all the same
+                raise
+            self._fetches_in_pass += batch is not _END
             if self._end_of_epoch_pending:
                 self._end_of_epoch_pending = False
                 if batch is _END:  # the restored epoch's end (see load_state_dict)
@@ -828,11 +844,14 @@ class LeaderLoader:
         try:
             self._iter = iter(self.loader)
             for _ in range(self._skip):
-                if next(self._iter, _END) is _END:
-                    break
+                try:
+                    if next(self._iter, _END) is _END:
+                        break
+                except Exception:  # noqa: BLE001 - the continuous run raised it at its step
+                    pass
         finally:
             torch.set_rng_state(trainers)
-        self._pass_generators, self._skip = saved, 0
+            self._pass_generators, self._fetches_in_pass, self._skip = saved, self._skip, 0
 
     def _replay_is_exact(self):
         """Whether replaying a pass from its generators gives the continuous run's order: a

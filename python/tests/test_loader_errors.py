@@ -17,13 +17,16 @@ class Flaky(Dataset):
     """Draws from the default generator per sample (num_workers=0: the main process's), then
     raises on one sample and returns a value spbcast refuses (a set of complex) on another."""
 
+    def __init__(self, error=ValueError):
+        self.error = error
+
     def __len__(self):
         return N
 
     def __getitem__(self, i):
         x = torch.rand(3 + i % 2)
         if i == RAISES:
-            raise ValueError("bad sample")
+            raise self.error("bad sample")
         if i == REFUSED:
             return {"x": x, "bad": {1j}}
         return {"x": x, "i": i}
@@ -151,3 +154,42 @@ def _patience(rank, world):
 
 def test_followers_wait_as_long_as_the_group():
     run(2, _patience, timeout=60)
+
+
+def _resume_after_failure(rank, world, workers):
+    # A fetch that raised took its sample all the same: a checkpoint taken later in that epoch
+    # resumes at the continuous run's next batch (the replay drops the failed fetch too), and
+    # the KeyError a DataLoader worker raises (its message a str subclass of torch's) arrives as
+    # a KeyError on every rank.
+    def skip_errors(ll, until=None):
+        out, it = [], iter(ll)
+        while until is None or ll.step < until:
+            try:
+                batch = next(it)
+                out.append("refused" if "bad" in batch else int(batch["i"]))
+            except StopIteration:
+                break
+            except KeyError as e:
+                assert isinstance(e, spbcast.LoaderError) and "bad sample" in str(e), repr(e)
+                out.append("raised")
+            except spbcast.Error as e:
+                assert e.code == "unsupported_value", repr(e)
+                out.append("refused")
+        return out
+
+    make_loader = lambda: DataLoader(Flaky(KeyError), batch_size=1, collate_fn=first,  # noqa: E731
+                                     num_workers=workers, multiprocessing_context="fork" if workers else None)
+    continuous = skip_errors(spbcast.LeaderLoader(make_loader, None, sp_media_dedup=True, total_epoch=1))
+    ll = spbcast.LeaderLoader(make_loader, None, sp_media_dedup=True, total_epoch=1)
+    before = skip_errors(ll, until=7)
+    state = ll.state_dict()
+    ll.close()
+    resumed = spbcast.LeaderLoader(make_loader, None, sp_media_dedup=True, total_epoch=1)
+    resumed.load_state_dict(state if rank == 0 else None)
+    assert before + skip_errors(resumed) == continuous, (before, continuous)
+    assert "raised" in before and "refused" in continuous
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_after_a_failed_fetch(workers):
+    run(2, _resume_after_failure, workers)
