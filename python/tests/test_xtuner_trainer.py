@@ -177,10 +177,10 @@ def _switch_checks(data):
 
     import torch
 
-    def build(shape, names=("dp", "sp", "tp"), dedup=True, dp="dp"):
+    def build(shape, names=("dp", "sp", "tp"), dedup=True, dp="dp", **more):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names) if shape else None
         config = xt.xp.text_config(data, num_workers=0, sp_media_dedup=dedup,
-                                   config_class=spbcast.xtuner.DataloaderConfig)
+                                   config_class=spbcast.xtuner.DataloaderConfig, **more)
         return config.build(tokenizer=tokenizer, dp_mesh=mesh[dp] if mesh else None,
                             global_batch_size=shape[0] if shape else 1, micro_batch_size=1, seed=1)
 
@@ -215,6 +215,11 @@ def _switch_checks(data):
         torch.utils.data.DataLoader.__init__ = dataloader_init
     gc.collect()
     results["on"] = type(loader).__name__
+    # The followers' patience: the SP group's own timeout, or the switch's field.
+    sp_group = spbcast.xtuner._root_mesh(init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "sp", "tp")))["sp"].get_group()
+    timeout = spbcast._broadcast._group_timeout(sp_group)
+    results["root_wait"] = f"{loader.root_wait} of the group's {timeout}"
+    results["root_wait_field"] = str(build((2, 2, 1), sp_media_dedup_root_wait=7.5).root_wait)
     results["alive_after_build"] = sum(ref() is not None for ref in built), len(built)
     for name, state in (("no_sampler", {"dataset": {}, "total_consumed_samples": 0}),
                         ("unknown_version", {"version": 99, "loader": {}}), ("not_a_dict", [1])):
@@ -241,6 +246,9 @@ def test_switch_refuses_what_it_cannot_do(tmp_path):
     assert r["off"] == r["sp1"] == r["no_mesh"] == r["dp_only_mesh"] == "Dataloader", (
         "off, at SP 1, without a mesh or an SP dimension: XTuner's own Dataloader")
     assert r["on"] == r["rl_worker_mesh"] == "XTunerLeaderLoader"
+    waited, timeout = r["root_wait"].split(" of the group's ")
+    assert waited == timeout and float(timeout) > 0, r["root_wait"]
+    assert r["root_wait_field"] == "7.5"
     assert "requires TP size 1" in r["tp2"] and "tp_size=1" in r["tp2"], r["tp2"]
     for name in ("not_xtuner_mesh", "not_the_dp_dim"):
         assert "(dp, sp, tp)" in r[name] and "turn sp_media_dedup off" in r[name], r[name]

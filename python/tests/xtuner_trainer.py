@@ -71,6 +71,8 @@ def _cpu_runtime_shims():
     # CUDA as its accelerator but has no device here, and initializing it in the forked rank fails).
     if not torch.accelerator.is_available():
         torch.accelerator.set_device_index = lambda index: None
+        # ... and puts its warm-up tensor on torch.accelerator.current_accelerator(): the CPU.
+        torch.accelerator.current_accelerator = lambda *args, **kwargs: None
     # XTuner's CPU device module is torch.cpu; fit(), _log_step and _maybe_save call these
     # CUDA memory statistics on it.
     for name, value in (("empty_cache", None), ("reset_peak_memory_stats", None),
