@@ -10,6 +10,7 @@
 // at a checkpoint; with resume 1 it restores both and continues. "faulty" runs a loader that
 // fails on two steps under a trainer that skips them, printing "call ..." after every call.
 #include "support/media_loader.hpp"
+#include "support/set_up.hpp"
 
 #include <spbcast/spbcast.hpp>
 
@@ -164,6 +165,7 @@ int main(int argc, char** argv) {
         const auto env = spbcast::dist::launch_env::from_environment();
         auto store = spbcast::dist::make_store(env, std::chrono::seconds(60));
         const auto layout = spbcast::dist::make_sp_layout(store, env.rank, env.world_size, sp, std::chrono::seconds(60));
+        spbcast_test::wait_for_set_up(*store, env.rank, env.world_size, std::chrono::seconds(60));
         // Every rank's generator starts in its own state, so a follower that skipped or
         // doubled a draw could not match BASE by accident. torch::data's RandomSampler shuffles
         // with the default generator, so there the SP ranks of a replica must start equal (as

@@ -97,6 +97,7 @@ run_record run_layout(int world, int sp, bool dedup, int workers, bool persisten
     auto store = c10::make_intrusive<c10d::HashStore>();
     const auto errors = spbcast_test::run_threads(world, [&](int rank) {
         auto layout = spbcast::dist::make_sp_layout(store, rank, world, sp, std::chrono::seconds(30));
+        wait_for_set_up(*store, rank, world, std::chrono::seconds(30));
         spbcast::loader_config cfg{.sp_media_dedup = dedup, .total_epoch = total_epoch};
         auto loader = spbcast::make_leader_loader(cfg, layout.sp_group, 1, [&] {
             ++built;
@@ -355,6 +356,7 @@ TEST_CASE("GLOO_SOCKET_IFNAME may name several interfaces, as in PyTorch") {
     auto store = c10::make_intrusive<c10d::HashStore>();
     const auto errors = spbcast_test::run_threads(2, [&](int rank) {
         auto group = spbcast::dist::make_gloo_group(store, rank, 2, std::chrono::seconds(10));
+        wait_for_set_up(*store, rank, 2, std::chrono::seconds(10));
         at::Tensor t = rank == 0 ? at::arange(10) : at::Tensor();
         spbcast::broadcast(t, group);
         CHECK(t.equal(at::arange(10)));

@@ -31,6 +31,7 @@
 // lines shown as " | "), exit 3 (spbcast::error) or 4 (any other exception); 1 when a step
 // arrived different from the root's batch; "rank R done rss_mib M" and exit 0 otherwise.
 #include "support/frames.hpp"
+#include "support/set_up.hpp"
 #include "profiles.hpp"
 
 #include <spbcast/spbcast.hpp>
@@ -195,6 +196,8 @@ int main(int argc, char** argv) {
         rank = env.rank;
         auto store = spbcast::dist::make_store(env, std::chrono::seconds(60));
         auto real = spbcast::dist::make_gloo_group(store, env.rank, env.world_size, group_timeout);
+        // A rank killed at its first message must not cut a peer that is still connecting.
+        spbcast_test::wait_for_set_up(*store, env.rank, env.world_size, group_timeout);
         faulty_group group(*real, s.num("fault_rank", -1) == env.rank, s.num("fault_step", 0),
                            s.num("fault_call", 1), s.get("fault", "kill"), s.num("hang_ms", 10000));
         std::cout << "rank " << rank << " ready" << std::endl;

@@ -9,6 +9,8 @@
 // another program (a parallel ctest) before rank 0 binds it again.
 #pragma once
 
+#include "set_up.hpp"
+
 #include <spbcast/dist.hpp>
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -262,11 +264,13 @@ struct joined_job {
     c10::intrusive_ptr<c10d::ProcessGroupGloo> group;  // destroyed before the store
 };
 
+// Returns once every rank of the job has its group (set_up.hpp).
 inline joined_job join_job(std::chrono::milliseconds timeout) {
     joined_job job;
     job.env = spbcast::dist::launch_env::from_environment();
     job.store = spbcast::dist::make_store(job.env, timeout);
     job.group = spbcast::dist::make_gloo_group(job.store, job.env.rank, job.env.world_size, timeout);
+    wait_for_set_up(*job.store, job.env.rank, job.env.world_size, timeout);
     return job;
 }
 

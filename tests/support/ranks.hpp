@@ -1,7 +1,10 @@
 // N ranks as threads of this process, each with its own real Gloo process group on one shared
 // in-memory store (a HashStore: no port to find), the ranks talking over loopback TCP on ports
-// the kernel gives Gloo. Every rank's exception is collected.
+// the kernel gives Gloo. Every rank's exception is collected. A case's body starts on a rank
+// only once every rank has its group (set_up.hpp).
 #pragma once
+
+#include "set_up.hpp"
 
 #include <spbcast/dist.hpp>
 
@@ -42,7 +45,15 @@ std::vector<std::exception_ptr> run_ranks_collect(int world, Body body,
                                                   std::chrono::milliseconds timeout = 20s) {
     auto store = c10::make_intrusive<c10d::HashStore>();
     return run_threads(world, [&](int rank) {
-        auto group = spbcast::dist::make_gloo_group(store, rank, world, timeout, "127.0.0.1");
+        c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+        std::exception_ptr failed;
+        try {
+            group = spbcast::dist::make_gloo_group(store, rank, world, timeout, "127.0.0.1");
+        } catch (...) {
+            failed = std::current_exception();
+        }
+        wait_for_set_up(*store, rank, world, timeout);
+        if (failed) std::rethrow_exception(failed);
         body(rank, *group);
     });
 }
