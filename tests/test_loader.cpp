@@ -9,6 +9,7 @@
 
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -53,6 +54,8 @@ TEST_CASE("a bad configuration is the same clear error on every rank, before any
         {{.sp_media_dedup = true, .total_epoch = 1, .total_step = 5}, 1, "(both are set)"},
         {{.sp_media_dedup = true, .total_step = 5}, 2, "sp_media_dedup requires TP size 1 (got 2)"},
         {{.sp_media_dedup = false, .total_epoch = 0}, 1, "total_epoch must be positive"},
+        {{.sp_media_dedup = true, .total_step = 5, .timeout = std::chrono::seconds(2), .root_wait = std::chrono::seconds(1)},
+         1, "root_wait (1000 ms) is shorter than timeout (2000 ms)"},
     };
     for (const Case& c : cases) {
         CAPTURE(c.expect);
@@ -349,6 +352,124 @@ TEST_CASE("a leader slower than the transport timeout is waited for, as a BASE r
         while (auto batch = loader.next()) seen[rank].push_back(batch->at(0));
     }, 2s);  // the groups' own timeout too (LibTorch 1.13's Gloo applies only that one)
     for (const auto& s : seen) CHECK(s == std::vector<int64_t>{1, 2, 3});
+}
+
+TEST_CASE("the SP group's own timeout is read from every c10d form of a Gloo group, and from none of a user's transport") {
+    using namespace std::chrono_literals;
+    run_ranks(2, [&](int, auto& group) {
+        auto pointer = c10::intrusive_ptr<c10d::ProcessGroupGloo>::reclaim_copy(&group);
+        CHECK(spbcast::dist::group_timeout(group) == std::chrono::milliseconds(7s));
+        CHECK(spbcast::dist::group_timeout(pointer) == std::chrono::milliseconds(7s));
+#if SPBCAST_TORCH_AT_LEAST(2, 0)
+        c10d::Backend& backend = group;
+        CHECK(spbcast::dist::group_timeout(backend) == std::chrono::milliseconds(7s));
+        auto front = c10::make_intrusive<c10d::ProcessGroup>(group.getRank(), group.getSize());
+        front->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO,
+                          c10::intrusive_ptr<c10d::Backend>::reclaim_copy(&group));
+        front->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+        CHECK(spbcast::dist::group_timeout(front) == std::chrono::milliseconds(7s));
+        auto no_cpu = c10::make_intrusive<c10d::ProcessGroup>(group.getRank(), group.getSize());
+        CHECK_FALSE(spbcast::dist::group_timeout(no_cpu));
+#else
+        c10d::ProcessGroup& base = group;
+        CHECK(spbcast::dist::group_timeout(base) == std::chrono::milliseconds(7s));
+#endif
+        counting_group counted{group};
+        CHECK_FALSE(spbcast::dist::group_timeout(counted));
+    }, 7s);
+}
+
+namespace {
+
+// Yields {1}, {2}, ... at once.
+struct counting_loader {
+    static constexpr spbcast::rng_draws rng_draws = spbcast::rng_draws::none;
+    int64_t produced = 0;
+    struct pass_t {
+        counting_loader* self;
+        std::optional<std::vector<int64_t>> next() { return std::vector<int64_t>{++self->produced}; }
+    };
+    pass_t begin() { return {this}; }
+};
+
+}  // namespace
+
+TEST_CASE("a leader busy outside the loader for longer than the transport timeout is waited for, as long as the SP group's own timeout") {
+    using namespace std::chrono_literals;
+    std::vector<std::vector<int64_t>> seen(3);
+    run_ranks(3, [&](int rank, auto& group) {
+        auto sp = c10::intrusive_ptr<c10d::ProcessGroupGloo>::reclaim_copy(&group);
+        auto loader = spbcast::make_leader_loader(
+            spbcast::loader_config{.sp_media_dedup = true, .total_step = 3, .timeout = 1s}, sp, 1,
+            [] { return std::make_unique<counting_loader>(); });
+        while (auto batch = loader.next()) {
+            seen[rank].push_back(batch->at(0));
+            // Uploading a checkpoint, say: no keep-alive runs, and it outlasts timeout plus the
+            // 2 s grace of spbcast's own wait, but not the group's timeout.
+            if (rank == 0 && loader.step() == 1) std::this_thread::sleep_for(3500ms);
+        }
+    }, 6s);
+    for (const auto& s : seen) CHECK(s == std::vector<int64_t>{1, 2, 3});
+}
+
+TEST_CASE("a leader that hangs outside the loader fails its followers after the SP group's own timeout, or loader_config::root_wait, saying what to do") {
+    using namespace std::chrono_literals;
+    struct Case {
+        std::chrono::milliseconds group_timeout, timeout, root_wait;
+        const char* expect;
+        std::chrono::milliseconds waits;  // what the followers should wait
+    };
+    // With LibTorch 1.13's Gloo a root_wait shorter than the group's timeout ends in spbcast's
+    // own wait, 2 s later (collective.hpp's grace); hence the upper bound.
+    for (const Case c : {Case{3s, 1s, 0ms, "within 3000 ms (the SP group's own timeout)", 3s},
+                         Case{4s, 500ms, 1s, "within 1000 ms (loader_config::root_wait)", 1s}}) {
+        CAPTURE(c.expect);
+        std::atomic<int> gave_up{0};
+        std::vector<double> waited(3, 0);
+        const auto errors = run_ranks_collect(3, [&](int rank, auto& group) {
+            auto sp = c10::intrusive_ptr<c10d::ProcessGroupGloo>::reclaim_copy(&group);
+            auto loader = spbcast::make_leader_loader(
+                spbcast::loader_config{.sp_media_dedup = true, .total_step = 10, .timeout = c.timeout,
+                                       .root_wait = c.root_wait},
+                sp, 1, [] { return std::make_unique<counting_loader>(); });
+            REQUIRE(loader.next());
+            if (rank == 0) {  // hung outside the loader; back only once the followers gave up
+                const auto deadline = std::chrono::steady_clock::now() + 30s;
+                while (gave_up < 2 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(10ms);
+                return;
+            }
+            const auto start = std::chrono::steady_clock::now();
+            try {
+                loader.next();
+            } catch (...) {
+                waited[rank] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+                ++gave_up;
+                throw;
+            }
+            FAIL("a follower got a step the leader never sent");
+        }, c.group_timeout);
+        CHECK_MESSAGE(!errors[0], message_of(errors[0]));
+        for (int rank = 1; rank < 3; ++rank) {
+            CAPTURE(rank);
+            REQUIRE(errors[rank]);
+            const std::string message = message_of(errors[rank]);
+            INFO(message);
+            CHECK(message.find("spbcast: SP rank " + std::to_string(rank) +
+                               " (leader_loader): the SP leader (SP rank 0) sent nothing for the next step " +
+                               c.expect) == 0);
+            CHECK(message.find("raise loader_config::root_wait or the SP group's timeout") != std::string::npos);
+            try {
+                std::rethrow_exception(errors[rank]);
+            } catch (const spbcast::transport_error& e) {
+                CHECK(e.code() == spbcast::errc::timeout);
+            } catch (...) {
+                FAIL("not a spbcast::transport_error");
+            }
+            const double waits = std::chrono::duration<double>(c.waits).count();
+            CHECK(waited[rank] > waits - 0.3);
+            CHECK(waited[rank] < waits + 2 + 4);  // the grace, and a loaded machine
+        }
+    }
 }
 
 TEST_CASE("GLOO_SOCKET_IFNAME may name several interfaces, as in PyTorch") {

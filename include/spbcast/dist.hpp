@@ -4,9 +4,12 @@
 // `torchrun --no-python` and under any launcher that sets the same variables.
 #pragma once
 
+#include "detail/base/version.hpp"
 #include "error.hpp"
+#include "group.hpp"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -14,7 +17,10 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <exception>
+#include <optional>
 #include <string>
+#include <type_traits>
 
 namespace spbcast::dist {
 
@@ -113,6 +119,44 @@ inline c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo_group(
         options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
     }
     return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+}
+
+// The timeout a c10d group was built with (ProcessGroupGloo::Options::timeout; from Python,
+// init_process_group's or new_group's `timeout`): how long the group's own collectives wait,
+// so how long a rank of a job without spbcast would wait for a late peer. LibTorch keeps it in
+// its backends' options, which are internals of c10d; this is the one place that reads them:
+//   - a ProcessGroupGloo, in both generations: getOptions()->timeout;
+//   - LibTorch 2.x: a c10d::Backend's getBackendOptions()->timeout, and for a c10d::ProcessGroup
+//     that of its CPU backend (the one that carries spbcast's CPU tensors);
+//   - LibTorch 1.13: a c10d::ProcessGroup that is a ProcessGroupGloo (its base class keeps no
+//     options).
+// nullopt for anything else - a transport of your own, a backend that does not say (2.x's
+// getBackendOptions throws there) - so the caller chooses its own fallback.
+template <class Group>
+    requires process_group_like<Group>
+std::optional<std::chrono::milliseconds> group_timeout(Group& group) {
+    auto& g = detail::group_of(group);
+    using G = std::remove_cvref_t<decltype(g)>;
+    std::optional<std::chrono::milliseconds> timeout;
+    try {
+        if constexpr (std::is_base_of_v<c10d::ProcessGroupGloo, G>) {
+            timeout = const_cast<G&>(g).getOptions()->timeout;
+#if SPBCAST_TORCH_AT_LEAST(2, 0)
+        } else if constexpr (std::is_base_of_v<c10d::Backend, G>) {
+            timeout = const_cast<G&>(g).getBackendOptions()->timeout;
+        } else if constexpr (std::is_base_of_v<c10d::ProcessGroup, G>) {
+            timeout = const_cast<G&>(g).getBackend(c10::DeviceType::CPU)->getBackendOptions()->timeout;
+#else
+        } else if constexpr (std::is_base_of_v<c10d::ProcessGroup, G>) {
+            if (auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(&const_cast<G&>(g)))
+                timeout = gloo->getOptions()->timeout;
+#endif
+        }
+    } catch (const std::exception&) {
+        return std::nullopt;  // no backend for CPU tensors, or one that keeps its options to itself
+    }
+    if (timeout && timeout->count() <= 0) return std::nullopt;
+    return timeout;
 }
 
 // This rank's place in a DP x SP layout and its two groups. SP groups are contiguous ranks:

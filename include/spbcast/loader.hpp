@@ -19,10 +19,12 @@
 
 #include "broadcast.hpp"
 #include "detail/orchestration/keep_alive.hpp"
+#include "dist.hpp"
 #include "error.hpp"
 #include "rng_mirror.hpp"
 #include "shared_memory.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -40,10 +42,19 @@ struct loader_config {
     bool sp_media_dedup = false;           // off: every rank runs its own loader (BASE)
     std::optional<std::int64_t> total_epoch;  // set exactly one of these two
     std::optional<std::int64_t> total_step;
-    // Bounds the transport of each step's broadcast. A leader that takes longer to fetch a
-    // batch is not a failure: it tells the followers it is still working (keep_alive.hpp), and
-    // they wait for it as a BASE rank waits for its own loader.
+    // Bounds the transport of each step's broadcast, message by message. A leader that takes
+    // longer to fetch a batch is not a failure: it tells the followers it is still working
+    // (keep_alive.hpp), and they wait for it as a BASE rank waits for its own loader.
     std::chrono::milliseconds timeout = std::chrono::minutes(5);
+    // How long a follower waits for the leader to start a step's broadcast (options::root_wait)
+    // when the leader is late outside the loader - saving a checkpoint, evaluating - where no
+    // keep-alive runs. Zero: the SP group's own timeout (what ProcessGroupGloo::Options or
+    // init_process_group was given; spbcast::dist::group_timeout), as a BASE rank waits in its
+    // next collective - or `timeout` where that is longer, or where the group does not say (a
+    // transport of your own). Otherwise at least `timeout`. A dead leader is seen at once
+    // whatever this is (its sockets close). With LibTorch 1.13's Gloo no wait outlasts the
+    // group's own timeout: raise that one there.
+    std::chrono::milliseconds root_wait{0};
     // How batches travel: the same-host path where the SP group shares a host (docs/transports.md).
     transport_mode transport = transport_mode::automatic;
     // Across hosts, the chunk each host leader forwards as it lands (options::relay_chunk_bytes).
@@ -171,6 +182,12 @@ inline void validate(const loader_config& cfg, int tp_size, int rank) {
         bad("sp_media_dedup requires TP size 1 (got " + std::to_string(tp_size) +
             "); turn sp_media_dedup off or run with tensor parallelism 1");
     if (cfg.timeout.count() <= 0) bad("timeout must be positive");
+    if (cfg.root_wait.count() < 0) bad("root_wait must not be negative");
+    if (cfg.root_wait.count() > 0 && cfg.root_wait < cfg.timeout)
+        bad("root_wait (" + std::to_string(cfg.root_wait.count()) + " ms) is shorter than timeout (" +
+            std::to_string(cfg.timeout.count()) +
+            " ms), which the leader's keep-alive frames need; set it to at least timeout, or to 0 "
+            "for the SP group's own timeout");
 }
 
 template <data_loader Loader, class Group>
@@ -189,6 +206,7 @@ public:
         sp_rank_ = g.getRank();
         validate(cfg_, tp_size, sp_rank_);
         dedup_ = cfg_.sp_media_dedup && g.getSize() > 1;
+        choose_root_wait();
         if (!dedup_) {
             loader_ = make_loader();
             length_ = local_length();
@@ -207,7 +225,7 @@ public:
                 init.error = detail::leader_exception_text(std::current_exception());
             }
         }
-        broadcast(init, group_, broadcast_options());
+        broadcast_from_leader(init, "the loader's construction");
         if (init.status == leader_status::failed) throw leader_failed("building the data loader", init.error);
         if (init.status != leader_status::batch)
             throw error(errc::corrupt_frame, where() + ": an unknown loader status arrived from the SP leader");
@@ -319,7 +337,48 @@ private:
     using pass_type = decltype(std::declval<Loader&>().begin());
 
     options broadcast_options() const {
-        return {.root = 0, .timeout = cfg_.timeout, .transport = cfg_.transport, .relay_chunk_bytes = cfg_.relay_chunk_bytes};
+        return {.root = 0, .timeout = cfg_.timeout, .root_wait = root_wait_, .transport = cfg_.transport,
+                .relay_chunk_bytes = cfg_.relay_chunk_bytes};
+    }
+
+    // A follower waits for a leader busy outside the loader as long as BASE would: the SP
+    // group's own timeout (see loader_config::root_wait).
+    void choose_root_wait() {
+        if (cfg_.root_wait.count() > 0) {
+            root_wait_ = cfg_.root_wait;
+            root_wait_source_ = "loader_config::root_wait";
+            return;
+        }
+        const auto own = dist::group_timeout(group_);
+        root_wait_ = std::max(cfg_.timeout, own.value_or(cfg_.timeout));
+        if (!own)
+            root_wait_source_ = "loader_config::timeout; the SP group does not say its own timeout";
+        else if (*own > cfg_.timeout)
+            root_wait_source_ = "the SP group's own timeout";
+        else
+            root_wait_source_ = "loader_config::timeout, not below the SP group's own timeout";
+    }
+
+    // broadcast(value) from the leader. A follower that waited root_wait for the leader's first
+    // message says so in the loader's terms: the leader is hung, or busy outside the loader for
+    // longer than the group allows.
+    template <class T>
+    void broadcast_from_leader(T& value, const std::string& what) {
+        try {
+            broadcast(value, group_, broadcast_options());
+        } catch (const transport_error& e) {
+            if (is_leader() || e.code() != errc::timeout || e.phase() != "frame") throw;
+            const std::string said = e.what();  // its first line: its advice is about broadcast()
+            throw transport_error(
+                errc::timeout,
+                where() + ": the SP leader (SP rank 0) sent nothing for " + what + " within " +
+                    std::to_string(root_wait_.count()) + " ms (" + root_wait_source_ +
+                    "). A leader busy outside the loader (saving a checkpoint, evaluating) must be "
+                    "back within that time: raise loader_config::root_wait or the SP group's "
+                    "timeout; if the leader hangs, restart the job. The transport said: " +
+                    said.substr(0, said.find('\n')),
+                e.phase());
+        }
     }
 
     // Whether the leader's broadcasts take the same-host path (decided by the first one).
@@ -336,7 +395,7 @@ private:
     // everywhere. A fetch that threw counts on no rank.
     bool send_step(step_envelope<batch_type>& envelope) {
         try {
-            broadcast(envelope, group_, broadcast_options());
+            broadcast_from_leader(envelope, "the next step");
             return true;
         } catch (const transport_error&) {
             throw;  // the group is out of step: no follow-up can reach the followers
@@ -348,7 +407,7 @@ private:
             envelope.status = leader_status::failed;
             envelope.error = e.what();
         }
-        broadcast(envelope, group_, broadcast_options());
+        broadcast_from_leader(envelope, "the next step");
         return false;
     }
 
@@ -407,6 +466,8 @@ private:
 
     loader_config cfg_;
     Group group_;
+    std::chrono::milliseconds root_wait_{0};
+    const char* root_wait_source_ = "";
     int sp_rank_ = 0;
     bool dedup_ = false;
     bool finished_ = false;
