@@ -45,6 +45,7 @@ _MT_N = 624  # words per Mersenne Twister block
 # is refused (another seed is seen at once: the state's initial seed changed).
 _MAX_WORDS_PER_CALL = 1 << 26
 _REPLAY_CHUNK = 1 << 20
+_DEFAULT_TIMEOUT = 300.0  # seconds: the core's options.timeout, which timeout=None keeps
 _STATE_VERSION = 3  # 2 added the pass index and the last set_epoch value; 3 the pass's generators
 # The samplers whose pass order depends only on the generators a pass starts from (captured in
 # the state) and the epoch given to set_epoch: a DataLoader with one of these resumes exactly
@@ -218,10 +219,11 @@ class LeaderLoader:
         failure: meanwhile it sends keep-alive frames every timeout / 4, and the followers wait
         for it as a BASE rank waits for its own loader.
     root_wait: seconds (or a timedelta) a follower waits for a leader that is late outside the
-        loader (saving a checkpoint, an after-save hook on rank 0) to start the next step. None
-        (default): the SP group's own timeout (``init_process_group``'s or ``new_group``'s
-        ``timeout=``, 30 minutes by default for Gloo), as long as a BASE rank would wait for that
-        leader in the trainer's next collective on the group. A dead leader is an error at once.
+        loader (saving a checkpoint, an after-save hook on rank 0) to start the next step; at
+        least ``timeout``. None (default): the SP group's own timeout (``init_process_group``'s or
+        ``new_group``'s ``timeout=``, 30 minutes by default for Gloo), as long as a BASE rank would
+        wait for that leader in the trainer's next collective on the group, or ``timeout`` where
+        that is longer. A dead leader is an error at once.
     transport: how batches travel, as in ``spbcast.broadcast``: "auto" (the same-host path where
         the SP group shares a host, the hierarchical path where it spans hosts), "network",
         "shared_memory" or "hierarchical".
@@ -290,7 +292,10 @@ class LeaderLoader:
             raise Error(where + "transport must be 'auto', 'network', 'shared_memory' or 'hierarchical' "
                         f"(got {transport!r})", "invalid_argument")
         _seconds(timeout)  # refused here, on every rank, rather than in the first broadcast
-        _seconds(root_wait, "root_wait")
+        if root_wait is not None and _seconds(root_wait, "root_wait") < (_seconds(timeout) or _DEFAULT_TIMEOUT):
+            # Followers wait for each keep-alive frame (every timeout / 4) within root_wait too.
+            raise Error(where + f"root_wait ({root_wait!r}) must be at least timeout "
+                        f"({timeout if timeout is not None else _DEFAULT_TIMEOUT!r} s)", "invalid_argument")
         _relay_chunk_bytes(relay_chunk_bytes, where)
 
         self.total_epoch = total_epoch
@@ -344,8 +349,12 @@ class LeaderLoader:
         sp_size = dist.get_world_size(self.group) if self.group is not None else 1
         self.dedup = bool(sp_media_dedup) and sp_size > 1
         self._leader = dist.get_global_rank(self.group, 0) if self.dedup else rank
-        # A follower's wait for the leader's next step: the group's own patience by default.
-        self.root_wait = (_seconds(root_wait, "root_wait") or _group_timeout(self.group)) if self.dedup else None
+        # A follower's wait for the leader's next step: the group's own patience by default, never
+        # less than the transport's timeout (as C++ loader_config::root_wait).
+        self.root_wait = None
+        if self.dedup:
+            self.root_wait = _seconds(root_wait, "root_wait") or max(
+                _group_timeout(self.group), _seconds(timeout) or _DEFAULT_TIMEOUT)
         # Every rank: what BASE builds on every rank too (its draws need no mirroring).
         if build_on_every_rank is not None:
             shared = build_on_every_rank()

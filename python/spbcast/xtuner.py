@@ -162,8 +162,9 @@ class DataloaderConfig(_XTunerDataloaderConfig):
 
     sp_media_dedup: bool = False
     # Seconds an SP follower waits for its leader to start the next step when the leader is late
-    # outside the loader (rank 0 saving a checkpoint, an after-save hook). None: the SP group's
-    # own timeout - XTuner's Trainer's dist timeout, as long as BASE's next collective waits.
+    # outside the loader (rank 0 saving a checkpoint, an after-save hook); at least 300 (the
+    # broadcast's timeout). None: the SP group's own timeout, as long as BASE's next collective
+    # on it waits.
     sp_media_dedup_root_wait: float | None = None
 
     def build(self, tokenizer, dp_mesh, global_batch_size, micro_batch_size, seed, shuffle=True,

@@ -132,7 +132,10 @@ def _patience(rank, world):
 
     sp = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=GROUP_TIMEOUT))
     # An explicit root_wait overrides the group's.
-    assert spbcast.LeaderLoader(list, sp, sp_media_dedup=True, total_epoch=1, root_wait=7).root_wait == 7
+    assert spbcast.LeaderLoader(list, sp, sp_media_dedup=True, total_epoch=1, timeout=1,
+                                root_wait=7).root_wait == 7
+    with pytest.raises(spbcast.Error, match=r"root_wait \(0.5\) must be at least timeout \(1 s\)"):
+        spbcast.LeaderLoader(list, sp, sp_media_dedup=True, total_epoch=1, timeout=1, root_wait=0.5)
     ll = spbcast.LeaderLoader(lambda: [[torch.full((2,), i)] for i in range(5)], sp,
                               sp_media_dedup=True, total_epoch=1, timeout=1)
     assert ll.root_wait == GROUP_TIMEOUT
