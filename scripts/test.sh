@@ -90,12 +90,13 @@ for i in "${!generations[@]}"; do
         wait "$reference_setup" || { grep -v "^WARNING: Location" build-python-2.9.setup.log; exit 1; }
         reference_setup=""
         echo "=== spbcast: Python package on PyTorch 2.9.1 ($REFERENCE_VENV)"
-        # What differs between torch releases: the XTuner switch on XTuner's real pipeline and
-        # Trainer (DeviceMesh, the accelerator API), the loader (DataLoader's iterators, the
-        # generator's state, group timeouts) and the extension built against this torch.
+        # What differs between torch releases, within CI's budget: the XTuner switch on XTuner's
+        # real pipeline and Trainer (DeviceMesh, the accelerator API, DataLoader workers), the
+        # loader's failures and patience (group timeouts, the generator's state) and the
+        # extension built against this torch.
         "$REFERENCE_VENV/bin/python" -m pytest -q python/tests/test_xtuner.py \
-            python/tests/test_xtuner_trainer.py python/tests/test_loader.py \
-            python/tests/test_loader_errors.py python/tests/test_global_ranks.py
+            python/tests/test_xtuner_trainer.py python/tests/test_loader_errors.py \
+            python/tests/test_global_ranks.py
     else
         (cd "build/$gen" && ctest --output-on-failure --timeout 900)
     fi
