@@ -31,6 +31,10 @@
 //   coalesced  c10d::broadcast_coalesced (LibTorch's own, bucketed per dtype), the shapes given
 //              in advance: followers allocate from known shapes and only the bytes travel.
 //
+// A third mode measures one seed-scale batch (issue 30): several GiB, one tensor over 2^31 bytes:
+//   seed      spbcast_bench --seed-scale --world-sizes 4 [--seed-gib 2.25] [--repeats 5]
+//             [--seed-network] [--seed-work-ms 500] - see seed_scale_rank below.
+//
 // Per method: one untimed step whose result is checked (spbcast::digest of what a follower
 // rebuilt equals the root's) and whose collectives are counted, then --warmup untimed steps
 // inside a memory window. Then --repeats timed rounds, every method once per round (order
@@ -106,6 +110,11 @@ struct config {
     double pg_timeout = 300, cell_timeout = 1200, deadline = 4 * 3600;
     double mem_limit_gib = -1;  // -1: 85% of MemAvailable; 0: no check
     std::string json = "spbcast_bench.json", rows;
+    // --seed-scale: one batch of seed_gib GiB (seed_scale_rank).
+    bool seed_scale = false, seed_network = false;
+    double seed_gib = 2.25;
+    int seed_work_ms = 500;
+    double seed_fixed_limit_gib = -1;  // >= 0: the pool's and the receive cache's bounds fixed (as before issue 30)
 };
 
 std::vector<std::string> split(const std::string& text) {
@@ -128,9 +137,19 @@ std::string join(const std::vector<std::string>& items) {
     return out;
 }
 
+// Appends `item` to a `separator`-separated list (written so that GCC 12 sees no overflow in
+// the string concatenation it would otherwise inline).
+void append_item(std::string& list, const char* separator, const std::string& item) {
+    if (!list.empty()) list += separator;
+    list += item;
+}
+
 std::string join_ints(const std::vector<int>& items) {
     std::string out;
-    for (int s : items) out += (out.empty() ? "" : ",") + std::to_string(s);
+    for (int s : items) {
+        if (!out.empty()) out += ',';
+        out += std::to_string(s);
+    }
     return out;
 }
 
@@ -142,6 +161,9 @@ std::string join_ints(const std::vector<int>& items) {
            "         [--repeats 7] [--warmup 2] [--big-repeats N --big-mib 256] [--seed 0]\n"
            "         [--bucket-mib 16] [--threads 1] [--pg-timeout 300] [--cell-timeout 1200]\n"
            "         [--deadline 14400] [--mem-limit-gib G] [--json out.json] [--rows rows.jsonl]\n"
+           "       spbcast_bench --seed-scale --world-sizes 4 [--seed-gib 2.25] [--repeats 5]\n"
+           "         [--seed-network] [--seed-work-ms 500] [--seed-fixed-limit-gib G]\n"
+           "         [--pg-timeout 300] [--cell-timeout 1200]\n"
            "  with --world-sizes: launcher (runs every cell, writes --json);\n"
            "  without: one rank under MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE (writes --rows).\n";
     std::exit(2);
@@ -172,6 +194,11 @@ config parse(int argc, char** argv) {
         else if (arg == "--mem-limit-gib") cfg.mem_limit_gib = std::stod(value());
         else if (arg == "--json") cfg.json = value();
         else if (arg == "--rows") cfg.rows = value();
+        else if (arg == "--seed-scale") cfg.seed_scale = true;
+        else if (arg == "--seed-gib") cfg.seed_gib = std::stod(value());
+        else if (arg == "--seed-network") cfg.seed_network = true;
+        else if (arg == "--seed-work-ms") cfg.seed_work_ms = std::stoi(value());
+        else if (arg == "--seed-fixed-limit-gib") cfg.seed_fixed_limit_gib = std::stod(value());
         else if (arg == "--help" || arg == "-h") usage("help");
         else usage("unknown argument " + arg);
     }
@@ -869,7 +896,7 @@ void run_cell(rank_context& ctx, const cell& c, std::ofstream* rows) {
             const auto checked = ctx.gather(got ? 1 : 0);
             std::string bad;
             for (int r = 1; r < ctx.world; ++r)
-                if (wrong[r]) bad += (bad.empty() ? "" : ",") + std::to_string(r);
+                if (wrong[r]) append_item(bad, ",", std::to_string(r));
             if (std::any_of(checked.begin() + 1, checked.end(), [](auto v) { return v != 0; }))
                 m.correct = bad.empty();
             if (!bad.empty()) {
@@ -1008,6 +1035,283 @@ int rank_main(const config& cfg) {
     for (const auto& p : cfg.profiles)
         for (int mb : cfg.micro_batches) run_cell(ctx, {p, mb}, rows ? &*rows : nullptr);
     ctx.barrier();
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Seed scale (issue 30): one batch of several GiB whose media tensor alone is over 2^31 bytes,
+// on one host. Measured, in one job of --world-sizes ranks (rank 0 the root):
+//   raw       one Gloo broadcast of the payload's bytes from rank 0 to one follower (a group of
+//             ranks 0 and 1), into a buffer allocated and touched once: the transport's cost
+//             of moving those bytes once. --repeats rounds, median.
+//   same-host spbcast::broadcast(batch, group) (automatic: the same-host path), 1 + --repeats
+//             rounds, each after a barrier, the slowest rank's time; the followers drop each
+//             batch before the next comes (as the other cells do). Round 1 fills a new segment;
+//             rounds 2+ should refill it: about one memcpy.
+//   free-running  --repeats more rounds without barriers: the root broadcasts as fast as it
+//             can, each follower keeps batch t while t + 1 arrives and works --seed-work-ms
+//             between batches (a training step): the root's pool, and Shmem, must stay at the
+//             two batches the loop keeps alive.
+//   network   with --seed-network: transport_mode::network, 1 + --repeats rounds (followers drop
+//             each batch before the next): rounds 2+ are received into the receive cache.
+// --seed-fixed-limit-gib G fixes the segment pool's free bytes and the receive cache at G GiB
+// (set_shared_memory_limit, set_receive_cache_limit): G = 2 is the bound before issue 30.
+// Rank 0 prints the results; the launcher prints rank 0's output.
+
+// Rows [first, first + n) of the seed batch's pixel_values: a pattern a follower can check.
+at::Tensor pattern_rows(std::int64_t first, std::int64_t n) {
+    return at::arange(first * 1536, (first + n) * 1536, at::kInt).remainder(65521).to(at::kFloat);
+}
+
+long shmem_kib_now() {
+    std::ifstream in("/proc/meminfo");
+    for (std::string line; std::getline(in, line);)
+        if (line.rfind("Shmem:", 0) == 0) return std::stol(line.substr(6));
+    return -1;
+}
+
+int seed_scale_rank(const config& cfg) {
+    at::set_num_threads(cfg.threads);
+    const auto timeout = std::chrono::milliseconds(static_cast<std::int64_t>(cfg.pg_timeout * 1000));
+    const auto job = spbcast_test::join_job(timeout);
+    const int rank = job.env.rank, world = job.env.world_size;
+    rank_context ctx{cfg};
+    ctx.store = job.store;
+    ctx.gloo = job.group;
+    ctx.rank = rank;
+    ctx.world = world;
+    ctx.timeout = timeout;
+    const bool root = rank == 0;
+    if (cfg.seed_fixed_limit_gib >= 0) {
+        const auto bytes = static_cast<std::size_t>(cfg.seed_fixed_limit_gib * (1u << 30));
+        spbcast::set_shared_memory_limit(bytes);
+        spbcast::set_receive_cache_limit(bytes);
+    }
+    auto seconds_since = [](clock_type::time_point t) {
+        return std::chrono::duration<double>(clock_type::now() - t).count();
+    };
+    auto slowest = [&](double s) {
+        return ctx.allreduce(at::full({1}, s, at::kDouble), c10d::ReduceOp::MAX).item<double>();
+    };
+    auto say = [&](const std::string& line) {
+        if (root) std::cout << line << std::endl;
+    };
+    auto f3 = [](double v) {
+        std::ostringstream o;
+        o << std::fixed << std::setprecision(3) << v;
+        return o.str();
+    };
+
+    // The batch: a qwen3-vl-image item whose pixel_values carries the payload (float32 rows of
+    // 1536), so the largest tensor is nearly the whole batch.
+    const std::int64_t rows = static_cast<std::int64_t>(cfg.seed_gib * (1u << 30)) / (1536 * 4);
+    xtuner::Batch batch;
+    std::uint64_t payload = 0, want = 0;
+    if (root) {
+        batch = xtuner::make_batch(xtuner::profile::qwen3_vl_image, 1, cfg.seed);
+        at::Tensor pixels = at::empty({rows, 1536}, at::kFloat);
+        for (std::int64_t row = 0; row < rows; row += 4096) {  // in pieces: no second copy of it
+            const std::int64_t n = std::min<std::int64_t>(4096, rows - row);
+            pixels.narrow(0, row, n).view(-1).copy_(pattern_rows(row, n));
+        }
+        batch[0].seq_ctx.pixel_values = pixels;
+        payload = payload_bytes(batch);
+        want = spbcast::digest(batch);
+    }
+    payload = static_cast<std::uint64_t>(ctx.broadcast_value(static_cast<std::int64_t>(payload)));
+    want = static_cast<std::uint64_t>(ctx.broadcast_value(static_cast<std::int64_t>(want)));
+    const double gib = static_cast<double>(payload) / (1u << 30);
+    say("seed scale: payload " + f3(gib) + " GiB, pixel_values " + f3(rows * 1536.0 * 4 / (1u << 30)) +
+        " GiB in one tensor, " + std::to_string(world) + " ranks on one host, LibTorch " + TORCH_VERSION +
+        (cfg.seed_fixed_limit_gib >= 0 ? ", bounds fixed at " + f3(cfg.seed_fixed_limit_gib) + " GiB" : ""));
+
+    // raw: ranks 0 and 1 only.
+    std::vector<double> raw;
+    {
+        auto pair_store = c10::make_intrusive<c10d::PrefixStore>("seed/raw", ctx.store);
+        gloo_ptr pair;
+        if (rank < 2) pair = spbcast::dist::make_gloo_group(pair_store, rank, 2, timeout);
+        at::Tensor buffer;
+        if (root) buffer = at::from_blob(batch[0].seq_ctx.pixel_values->data_ptr(), {static_cast<std::int64_t>(rows * 1536 * 4)}, at::kByte);
+        if (rank == 1) buffer = at::ones({rows * 1536 * 4}, at::kByte);  // touched once
+        ctx.barrier();
+        for (int r = 0; r < cfg.repeats && rank < 2; ++r) {
+            std::vector<at::Tensor> one{at::zeros({1}, at::kLong)};
+            pair->allreduce(one)->wait();  // a barrier of the pair
+            const auto t = clock_type::now();
+            std::vector<at::Tensor> v{buffer};
+            c10d::BroadcastOptions o;
+            o.rootRank = 0;
+            o.timeout = timeout;
+            pair->broadcast(v, o)->wait();
+            std::vector<at::Tensor> took{at::full({1}, seconds_since(t), at::kDouble)};
+            c10d::AllreduceOptions max;
+            max.reduceOp = c10d::ReduceOp::MAX;
+            pair->allreduce(took, max)->wait();
+            raw.push_back(took[0].item<double>());
+        }
+        const std::int64_t check_rows = std::min<std::int64_t>(rows, 4096);
+        if (rank == 1 && !buffer.narrow(0, 0, check_rows * 1536 * 4)
+                              .equal(at::from_blob(pattern_rows(0, check_rows).data_ptr(), {check_rows * 1536 * 4}, at::kByte)))
+            return 1;
+        ctx.barrier();
+    }
+    const double raw_median = slowest(raw.empty() ? 0.0 : median_of(raw));  // ranks 0 and 1 measured it
+    std::string list;
+    for (double v : raw) append_item(list, ", ", f3(v));
+    say("raw Gloo broadcast of " + f3(gib) + " GiB to one follower: median " + f3(raw_median) + " s (" + list + ")");
+
+    // memcpy: the root copies the payload into memory of its own that is already resident, and
+    // into a resident shared segment of its pool (a tensor born in a shared_memory_scope): what
+    // refilling a recycled segment costs, without the broadcast.
+    std::vector<double> copies, shared_copies;
+    if (root) {
+        const at::Tensor& pixels = *batch[0].seq_ctx.pixel_values;
+        for (const bool shared : {false, true}) {
+            at::Tensor into;
+            {
+                std::optional<spbcast::shared_memory_scope> in_shared_memory;
+                if (shared) in_shared_memory.emplace();
+                into = at::empty_like(pixels);
+            }
+            std::memset(into.data_ptr(), 1, into.nbytes());  // resident
+            for (int r = 0; r < std::max(cfg.repeats, 3); ++r) {
+                const auto t = clock_type::now();
+                std::memcpy(into.data_ptr(), pixels.data_ptr(), pixels.nbytes());
+                (shared ? shared_copies : copies).push_back(seconds_since(t));
+            }
+        }
+        spbcast::release_shared_memory();  // the segment the second one lay in
+    }
+    const double copy_median = slowest(copies.empty() ? 0.0 : median_of(copies));
+    const double shared_copy_median = slowest(shared_copies.empty() ? 0.0 : median_of(shared_copies));
+    say("memcpy of the payload on the root into resident memory: median " + f3(copy_median) +
+        " s; into a resident shared segment: median " + f3(shared_copy_median) + " s");
+
+    // same-host, with barriers.
+    const auto pool_before = spbcast::shared_memory_statistics();  // the reference's segment is gone
+    const long shmem_base = shmem_kib_now();
+    long shmem_peak = shmem_base;
+    std::vector<double> rounds;
+    std::size_t most_segments = 0;
+    bool exact = true;
+    for (int r = 0; r <= cfg.repeats; ++r) {
+        xtuner::Batch got;
+        ctx.barrier();
+        const auto t = clock_type::now();
+        spbcast::broadcast(root ? batch : got, *ctx.gloo, {.timeout = timeout});
+        rounds.push_back(slowest(seconds_since(t)));
+        if (!root && (r == 0 || r == cfg.repeats)) exact = exact && spbcast::digest(got) == want;
+        shmem_peak = std::max(shmem_peak, shmem_kib_now());
+        if (root) most_segments = std::max(most_segments, spbcast::shared_memory_statistics().segments);
+    }  // dropped before the next one comes
+    exact = slowest(exact ? 0.0 : 1.0) == 0.0;
+    const auto pool = spbcast::shared_memory_statistics();
+    const std::vector<double> later(rounds.begin() + 1, rounds.end());
+    const double later_median = median_of(later);
+    list.clear();
+    for (double v : later) append_item(list, ", ", f3(v));
+    say("same-host (automatic): round 1 " + f3(rounds[0]) + " s, rounds 2+ median " + f3(later_median) + " s (" + list +
+        ") = " + f3(later_median / raw_median) + "x raw, " + f3(later_median / shared_copy_median) +
+        "x the memcpy into a shared segment; bit-exact " +
+        (exact ? "yes" : "NO") + "; root pool: " +
+        std::to_string(pool.segments_created - pool_before.segments_created) + " segments created, " +
+        std::to_string(pool.segments_reused - pool_before.segments_reused) + " reused, at most " +
+        std::to_string(most_segments) + " tracked, free bound " +
+        f3(static_cast<double>(pool.limit_bytes) / (1u << 30)) + " GiB; Shmem peak +" +
+        f3(static_cast<double>(shmem_peak - shmem_base) / (1 << 20)) + " GiB (" +
+        f3(static_cast<double>(shmem_peak - shmem_base) * 1024 / static_cast<double>(payload)) + " batches)");
+
+    // free-running: no barrier; followers work between batches.
+    const auto created_before = pool.segments_created;
+    most_segments = 0;
+    shmem_peak = shmem_base;
+    xtuner::Batch kept;
+    ctx.barrier();
+    const auto free_start = clock_type::now();
+    std::vector<double> calls;  // this rank's broadcast calls
+    for (int r = 0; r < cfg.repeats; ++r) {
+        xtuner::Batch got;
+        const auto t = clock_type::now();
+        spbcast::broadcast(root ? batch : got, *ctx.gloo, {.timeout = timeout});
+        calls.push_back(seconds_since(t));
+        if (!root) {
+            kept = std::move(got);  // batch t - 1 goes: the loop keeps t while t + 1 arrives
+            std::this_thread::sleep_for(std::chrono::milliseconds(cfg.seed_work_ms));
+        }
+        shmem_peak = std::max(shmem_peak, shmem_kib_now());
+        if (root) most_segments = std::max(most_segments, spbcast::shared_memory_statistics().segments);
+    }
+    const double free_s = slowest(seconds_since(free_start));
+    kept.clear();
+    const auto free_pool = spbcast::shared_memory_statistics();
+    std::string root_calls, follower_calls;  // the root's calls, and rank 1's
+    for (int k = 0; k < cfg.repeats; ++k) {
+        append_item(root_calls, ", ", f3(slowest(root ? calls[k] : 0.0)));
+        append_item(follower_calls, ", ", f3(slowest(rank == 1 ? calls[k] : 0.0)));
+    }
+    say("free-running (" + std::to_string(cfg.repeats) + " rounds, followers keep batch t while t + 1 arrives and work " +
+        std::to_string(cfg.seed_work_ms) + " ms per batch): " + f3(free_s) + " s, " +
+        std::to_string(free_pool.segments_created - created_before) + " segments created, at most " +
+        std::to_string(most_segments) + " tracked; Shmem peak +" +
+        f3(static_cast<double>(shmem_peak - shmem_base) / (1 << 20)) + " GiB (" +
+        f3(static_cast<double>(shmem_peak - shmem_base) * 1024 / static_cast<double>(payload)) +
+        " batches); the root's calls " + root_calls + " s, rank 1's " + follower_calls + " s");
+    // Every batch is let go of; the root reads the answers at its next broadcast (an empty
+    // one), then frees its free segments before the network rounds.
+    ctx.barrier();
+    std::vector<at::Tensor> nothing;
+    spbcast::broadcast(nothing, *ctx.gloo, {.timeout = timeout});
+    if (root) spbcast::release_shared_memory();
+    ctx.barrier();
+
+    if (cfg.seed_network) {
+        std::vector<double> net;
+        const auto cache_before = spbcast::receive_cache_statistics();
+        for (int r = 0; r <= cfg.repeats; ++r) {
+            xtuner::Batch got;
+            ctx.barrier();
+            const auto t = clock_type::now();
+            spbcast::broadcast(root ? batch : got, *ctx.gloo,
+                               {.timeout = timeout, .transport = spbcast::transport_mode::network});
+            net.push_back(slowest(seconds_since(t)));
+            if (!root && (r == 0 || r == cfg.repeats) && spbcast::digest(got) != want) return 1;
+        }  // dropped before the next one comes
+        const auto cache = spbcast::receive_cache_statistics();
+        const std::vector<double> net_later(net.begin() + 1, net.end());
+        list.clear();
+        for (double v : net_later) append_item(list, ", ", f3(v));
+        // Rank 1's receive cache (rank 0 receives nothing).
+        const auto reused = ctx.gather(static_cast<std::int64_t>(cache.blocks_reused - cache_before.blocks_reused));
+        const auto allocated = ctx.gather(static_cast<std::int64_t>(cache.blocks_allocated - cache_before.blocks_allocated));
+        say("network: round 1 " + f3(net[0]) + " s, rounds 2+ median " + f3(median_of(net_later)) + " s (" + list +
+            ") = " + f3(median_of(net_later) / raw_median) + "x raw; rank 1's receive cache: " +
+            std::to_string(reused[1]) + " blocks reused, " + std::to_string(allocated[1]) + " allocated");
+    }
+    ctx.barrier();
+    return exact ? 0 : 1;
+}
+
+int seed_scale_launcher(const config& cfg) {
+    if (cfg.world_sizes.size() != 1) usage("--seed-scale takes one world size");
+    const auto self = std::filesystem::canonical("/proc/self/exe");
+    std::vector<std::string> args = {"--seed-scale", "--seed-gib", number(cfg.seed_gib), "--repeats",
+                                     std::to_string(cfg.repeats), "--seed-work-ms", std::to_string(cfg.seed_work_ms),
+                                     "--threads", std::to_string(cfg.threads), "--pg-timeout", number(cfg.pg_timeout)};
+    if (cfg.seed_network) args.push_back("--seed-network");
+    if (cfg.seed_fixed_limit_gib >= 0) {
+        args.push_back("--seed-fixed-limit-gib");
+        args.push_back(number(cfg.seed_fixed_limit_gib));
+    }
+    const auto results = spbcast_test::run_processes(
+        self, cfg.world_sizes[0], [&](int) { return args; },
+        std::chrono::seconds(static_cast<std::int64_t>(cfg.cell_timeout)));
+    std::cout << results.at(0).output;
+    for (const auto& r : results)
+        if (r.exit_code != 0) {
+            std::cerr << spbcast_test::describe(results);
+            return 1;
+        }
     return 0;
 }
 
@@ -1230,6 +1534,7 @@ int launcher_main(const config& cfg, int argc, char** argv) {
 int main(int argc, char** argv) {
     try {
         const config cfg = parse(argc, argv);
+        if (cfg.seed_scale) return cfg.world_sizes.empty() ? seed_scale_rank(cfg) : seed_scale_launcher(cfg);
         if (!cfg.world_sizes.empty()) return launcher_main(cfg, argc, argv);
         return rank_main(cfg);
     } catch (const std::exception& e) {

@@ -49,6 +49,13 @@
 //   spbcast_shm_worker slow_links <relay chunk bytes>
 //       for shm_netns_test.sh (3 namespaces x 2 ranks at 200 Mbit/s): 96 MiB twice with a 1 s timeout
 //       arrives on the hierarchical path; a 2 MiB view of a 48 MiB shared storage sends 2 MiB.
+//   spbcast_shm_worker budget <follows|fixed|keeps_one> <steps>
+//       the root's free-segment bound against batches larger than its base (1 MiB; 4 MiB
+//       batches): "follows" (free_batches = 2: the bound follows the batch size) reuses one
+//       segment from the second batch on; "fixed" (set_shared_memory_limit, the user's bound)
+//       creates one per batch; "keeps_one": followers keep batch t while t + 1 arrives and are
+//       slow to come back, the root is fast - the released segment returns before the next batch
+//       is placed, so the root never tracks more than the two batches the loop keeps alive.
 //   spbcast_shm_worker ranks <world> <mode> <arguments...>
 //       starts <world> ranks of this program in <mode> on a store of their own (the test kit's
 //       launcher, for bench/report.py), prints rank 0's output, fails if a rank failed.
@@ -1084,6 +1091,66 @@ int slow_links(char** argv) {
 }
 
 // The launcher stops its ranks at this deadline (report.py waits a minute longer).
+int budget(char** argv) {
+    const std::string mode = argv[2];
+    const int steps = std::stoi(argv[3]);
+    auto [env, store, group] = spbcast_test::join_job(std::chrono::seconds(30));
+    const spbcast::options opts{.timeout = std::chrono::seconds(30)};
+    auto fail = [&](const std::string& what) {
+        std::cerr << "rank " << env.rank << ": " << what << "\n";
+        return 1;
+    };
+    constexpr std::size_t base = std::size_t{1} << 20, batch_bytes = std::size_t{4} << 20;
+    if (mode == "fixed")
+        spbcast::set_shared_memory_limit(base);
+    else
+        spbcast::set_shared_memory_limits({.free_bytes = base, .free_segments = 16, .segments = 256, .free_batches = 2});
+    // 4 MiB: copied into the batch's segment (not in the frame, not a segment of its own).
+    auto make = [](int step) { return std::vector<at::Tensor>{at::full({1 << 20}, step, at::kInt)}; };
+    static_assert(batch_bytes == (std::size_t{1} << 20) * sizeof(std::int32_t));
+    std::vector<at::Tensor> kept;  // keeps_one: the batch in use while the next arrives
+    std::size_t most_segments = 0;
+    for (int step = 0; step < steps; ++step) {
+        if (mode == "keeps_one") {
+            // The loop keeps batch t (`kept`) while t + 1 arrives, then lets it go; the root is
+            // fast, the followers take their time before the next broadcast (a training step).
+            std::vector<at::Tensor> batch = env.rank == 0 ? make(step) : std::vector<at::Tensor>{};
+            spbcast::broadcast(batch, group, opts);
+            if (batch.size() != 1 || !batch[0].equal(make(step)[0])) return fail("step " + std::to_string(step) + " arrived wrong");
+            kept = std::move(batch);  // batch t - 1 goes here
+            if (env.rank != 0) std::this_thread::sleep_for(std::chrono::milliseconds(150));
+        } else {
+            std::vector<at::Tensor> batch = env.rank == 0 ? make(step) : std::vector<at::Tensor>{};
+            spbcast::broadcast(batch, group, opts);
+            if (batch.size() != 1 || !batch[0].equal(make(step)[0])) return fail("step " + std::to_string(step) + " arrived wrong");
+        }  // a follower lets its batch go before the next one comes
+        if (env.rank == 0) most_segments = std::max(most_segments, spbcast::shared_memory_statistics().segments);
+    }
+    if (!chose_shared(group, 0)) return fail("the same-host path was not chosen");
+    kept.clear();
+    barrier(group);
+    if (env.rank != 0) return 0;
+    const auto s = spbcast::shared_memory_statistics();
+    std::cout << "rank 0 " << mode << ": created " << s.segments_created << " reused " << s.segments_reused
+              << " limit " << s.limit_bytes << " largest batch " << s.largest_batch_bytes << " most segments "
+              << most_segments << "\n";
+    // The batch's segment: its bytes, placed page-wise and rounded to the pool's 64 KiB.
+    if (s.largest_batch_bytes < batch_bytes || s.largest_batch_bytes > batch_bytes + (std::size_t{64} << 10))
+        return fail("the largest batch is not the one sent");
+    const auto n = static_cast<std::size_t>(steps);
+    if (mode == "fixed") {
+        if (s.limit_bytes != base) return fail("the bound set with set_shared_memory_limit moved");
+        if (s.segments_created != n || s.segments_reused != 0) return fail("a segment beyond the user's bound was kept");
+    } else if (mode == "follows") {
+        if (s.limit_bytes != 2 * s.largest_batch_bytes) return fail("the bound does not follow the batch size");
+        if (s.segments_created != 1 || s.segments_reused != n - 1) return fail("batches larger than the base were not reused");
+    } else {
+        if (s.segments_created != 2 || s.segments_reused != n - 2 || most_segments > 2)
+            return fail("the root placed a batch before the segment let go of came back");
+    }
+    return 0;
+}
+
 int launch_ranks(int argc, char** argv) {
     const int world = std::stoi(argv[2]);
     const std::vector<std::string> args(argv + 3, argv + argc);
@@ -1123,6 +1190,7 @@ int main(int argc, char** argv) {
         if (mode == "fd_limit") return fd_limit(argv);
         if (mode == "disagree") return disagree(argv);
         if (mode == "lost_link") return lost_link(argv);
+        if (mode == "budget" && argc == 4) return budget(argv);
         std::cerr << "unknown mode or arguments\n";
         return 2;
     } catch (const std::exception& e) {

@@ -84,7 +84,7 @@ TEST_CASE("set_receive_cache_limit(0) empties the cache and gives every batch fr
     CHECK(after.blocks_reused == before.blocks_reused);
     CHECK(after.blocks_allocated - before.blocks_allocated == 3);
     CHECK(after.cached_bytes == 0);
-    spbcast::set_receive_cache_limit(spbcast::default_receive_cache_limit);
+    spbcast::set_receive_cache_limits(spbcast::default_receive_cache_limits);
 }
 
 TEST_CASE("storages received in one bucket are separate storages: writes and resizes stay apart") {
@@ -103,7 +103,7 @@ TEST_CASE("storages received in one bucket are separate storages: writes and res
 
 TEST_CASE("small broadcasts between big ones do not evict the blocks the next big batch reuses") {
     spbcast::set_receive_cache_limit(0);  // start from an empty cache
-    spbcast::set_receive_cache_limit(spbcast::default_receive_cache_limit);
+    spbcast::set_receive_cache_limits(spbcast::default_receive_cache_limits);
     std::size_t reused = 0, allocated = 0;
     run_ranks(2, [&](int rank, auto& group) {
         for (int step = 0; step < 2; ++step) {
@@ -132,7 +132,7 @@ TEST_CASE("small broadcasts between big ones do not evict the blocks the next bi
 
 TEST_CASE("a small tensor a follower keeps pins memory in proportion to itself, not its bucket") {
     spbcast::set_receive_cache_limit(0);
-    spbcast::set_receive_cache_limit(spbcast::default_receive_cache_limit);
+    spbcast::set_receive_cache_limits(spbcast::default_receive_cache_limits);
     auto make = [] {
         std::vector<at::Tensor> batch;  // 40 x 64 KiB: one bucket of 2.5 MiB, from the cache
         for (int i = 0; i < 40; ++i) batch.push_back(at::full({16384}, i, at::kInt));
@@ -149,4 +149,49 @@ TEST_CASE("a small tensor a follower keeps pins memory in proportion to itself, 
     CHECK(kept.storage().nbytes() == 16384 * sizeof(int32_t));
     // The bucket went back to the cache although a tensor that arrived in it is alive.
     CHECK(cached_bytes_once_at_least(std::size_t{40} * 65536) >= std::size_t{40} * 65536);
+}
+
+TEST_CASE("the receive cache's budget follows the batch size: batches above the base limit are reused") {
+    // A base of 1 MiB with the budget following the batch size (the default does so at 2 GiB):
+    // 6 MiB batches are received into the first one's memory from the second on.
+    CHECK(spbcast::default_receive_cache_limits.bytes == spbcast::default_receive_cache_limit);
+    CHECK(spbcast::default_receive_cache_limits.batches == 2);
+    CHECK(spbcast::receive_cache_limits{}.batches == 0);  // limits a user fills in are fixed
+    for (const bool follows : {true, false}) {
+        CAPTURE(follows);
+        spbcast::set_receive_cache_limit(0);  // an empty cache
+        if (follows)
+            spbcast::set_receive_cache_limits({.bytes = 1 << 20, .batches = 2});
+        else
+            spbcast::set_receive_cache_limit(1 << 20);  // the user's bound: it rules
+        const auto before = spbcast::receive_cache_statistics();
+        run_ranks(2, [&](int rank, auto& group) {
+            for (int step = 0; step < 3; ++step) {
+                {
+                    Media batch = rank == 0 ? make_media(step) : Media{};
+                    spbcast::broadcast(batch, group, {.transport = spbcast::transport_mode::network});
+                    if (rank == 1) require_identical(make_media(step), batch);
+                }
+                // Dropped: with the budget following the batch, its 6 MiB block is kept.
+                if (rank == 1 && follows) CHECK(cached_bytes_once_at_least(std::size_t{6} << 20) >= std::size_t{6} << 20);
+            }
+        });
+        const auto after = spbcast::receive_cache_statistics();
+        CHECK(after.largest_batch_bytes >= std::size_t{6} << 20);
+        if (follows) {
+            CHECK(after.limit_bytes == 2 * after.largest_batch_bytes);
+            CHECK(after.blocks_reused - before.blocks_reused == 2);
+            CHECK(after.blocks_allocated - before.blocks_allocated == 1);
+        } else {
+            CHECK(after.limit_bytes == std::size_t{1} << 20);
+            CHECK(after.blocks_reused == before.blocks_reused);
+            CHECK(after.blocks_allocated - before.blocks_allocated == 3);
+            CHECK(after.cached_bytes == 0);
+        }
+    }
+    spbcast::set_receive_cache_limits(spbcast::default_receive_cache_limits);
+    const auto in_use = spbcast::receive_cache_limits_in_use();
+    CHECK(in_use.bytes == spbcast::default_receive_cache_limit);
+    CHECK(in_use.batches == 2);
+    CHECK(spbcast::receive_cache_statistics().limit_bytes >= spbcast::default_receive_cache_limit);
 }

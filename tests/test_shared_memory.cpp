@@ -408,6 +408,22 @@ TEST_CASE("shared memory: a follower drops hundreds of kept batches at once; not
     MESSAGE(spbcast_test::describe(results));
 }
 
+TEST_CASE("shared memory: the free-segment bound follows the batch size unless the user fixed it") {
+    // Batches of 4 MiB against a base of 1 MiB: with the bound following the batch size (the
+    // default's behaviour, at a small base), the second batch on refills the first one's segment.
+    for (const std::string mode : {"follows", "fixed", "keeps_one"}) {
+        CAPTURE(mode);
+        const auto results = spbcast_test::run_processes(
+            worker(), 3, [&](int) { return std::vector<std::string>{"budget", mode, "6"}; }, 120s);
+        require_all_ok(results);
+        MESSAGE(results[0].output);
+    }
+    const auto defaults = spbcast::default_shared_memory_limits;
+    CHECK(defaults.free_bytes == std::size_t{2} << 30);
+    CHECK(defaults.free_batches == 2);
+    CHECK(spbcast::shared_memory_limits{}.free_batches == 0);  // limits a user fills in are fixed
+}
+
 TEST_CASE("shared memory: a follower at its descriptor limit gets a clear error; the root stays flat") {
     const auto results = run_mode(3, {"fd_limit"});
     require_all_ok(results);

@@ -14,7 +14,7 @@
 namespace spbcast {
 
 struct shared_memory_stats {
-    std::size_t limit_bytes;        // bound on free segments kept for reuse
+    std::size_t limit_bytes;        // bound on free segment bytes kept for reuse, as it stands now
     std::size_t cached_bytes;       // free segments kept for reuse
     std::size_t held_bytes;         // segments a follower still maps (a batch it keeps), or a tensor of this process lives in
     std::size_t segments_reused;    // batches filled into a recycled segment
@@ -24,6 +24,7 @@ struct shared_memory_stats {
     std::size_t tensors_shared;     // of those, broadcast without a copy (their segment handed over)
     std::size_t segments;           // segments the pool tracks now: one descriptor and one mapping each
     std::size_t segments_forgotten; // left to the processes that map them (a fork, a bound, a lost link)
+    std::size_t largest_batch_bytes; // the most segment bytes one batch lay in so far (what the bound follows)
 };
 
 // The bounds of this process's segment pool (a root's): free bytes and free segments kept for
@@ -32,7 +33,16 @@ struct shared_memory_stats {
 // oldest segments that only followers still map are forgotten (the followers keep them; the
 // kernel frees them with their last mapping), and a new tensor allocation inside a scope that
 // finds every tracked segment held by the root's own tensors gets ordinary memory.
+//
+// The free-bytes bound follows the batch size: free segments are kept up to
+// max(free_bytes, free_batches x the largest batch placed so far) - the segment bytes one
+// batch lay in, its copy and the segments of its tensors born in a shared_memory_scope. The
+// pool starts at default_shared_memory_limits: 2 GiB or 2 batches, whichever is more, so a
+// batch of any size (several GiB) is placed in recycled pages from the second one on, and the
+// free segments it keeps are about one batch (a free segment the next two batches do not reuse
+// is freed). Limits you fill in have free_batches = 0: the free_bytes you set is the bound.
 using shared_memory_limits = detail::shm_pool_limits;
+inline constexpr shared_memory_limits default_shared_memory_limits = detail::shm_pool::default_limits;
 
 // While it lives, CPU tensors of at least `min_bytes` (64 KiB at least) that this thread
 // allocates - through ATen, so a collator's torch::cat, stack, empty or clone - live in
@@ -67,21 +77,28 @@ private:
 inline shared_memory_stats shared_memory_statistics() {
     const auto s = detail::shm_pool::instance().statistics();
     return {s.limit_bytes, s.cached_bytes, s.held_bytes, s.segments_reused, s.segments_created,
-            s.network_fallbacks, s.tensors_allocated, s.tensors_shared, s.segments, s.segments_forgotten};
+            s.network_fallbacks, s.tensors_allocated, s.tensors_shared, s.segments, s.segments_forgotten,
+            s.largest_batch_bytes};
 }
 
-// Sets the pool's bounds (defaults: 2 GiB and 16 free segments kept for reuse, 256 segments
-// tracked in all).
+// Sets the pool's bounds, as given (defaults: default_shared_memory_limits - free segments up to
+// 2 GiB or twice the largest batch, whichever is more, and at most 16 of them; 256 segments
+// tracked in all). To keep the bound following the batch size, set free_batches (e.g. start
+// from shared_memory_limits_in_use() or default_shared_memory_limits); free_batches = 0 makes
+// free_bytes a fixed bound.
 inline void set_shared_memory_limits(const shared_memory_limits& limits) {
     detail::shm_pool::instance().set_limits(limits);
 }
 inline shared_memory_limits shared_memory_limits_in_use() { return detail::shm_pool::instance().limits(); }
 
-// Bounds the free segment bytes a root keeps for reuse (default 2 GiB); 0 keeps none, so every
-// batch fills fresh pages.
+// Bounds the free segment bytes a root keeps for reuse to `bytes`, fixed: the bound no longer
+// follows the batch size (free_batches = 0), so a batch larger than `bytes` fills fresh pages
+// every time. 0 keeps none: every batch fills fresh pages. The default follows the batch size
+// (default_shared_memory_limits).
 inline void set_shared_memory_limit(std::size_t bytes) {
     auto limits = shared_memory_limits_in_use();
     limits.free_bytes = bytes;
+    limits.free_batches = 0;
     set_shared_memory_limits(limits);
 }
 

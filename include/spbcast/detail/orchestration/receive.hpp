@@ -410,7 +410,9 @@ template <class T, class Group>
 void receive(collective<Group>& c, T& value, same_host_state* same_host = nullptr,
              at::Tensor early_frame = {}) {
     const options& opts = c.opts();
-    if (same_host && same_host->link) same_host->link->flush();  // answers the socket had no room for
+    // Answers the socket had no room for, then that this rank starts this broadcast: the root may
+    // wait for it before it places the batch, to reuse what this rank let go of.
+    if (same_host && same_host->link) same_host->link->arrive(c.sequence());
     if (same_host && !same_host->links.empty()) {
         // A host leader reads its followers' answers at every broadcast, as the root does. A
         // follower that is gone fails the group's next collective; until then this host keeps

@@ -6,6 +6,11 @@
 // costs about as much as moving the bytes (bench/README.md measures it). So storages of 2 MiB and more come from a process-wide cache of blocks that
 // dropped batches gave back - already mapped - and new blocks ask for transparent huge pages.
 // Small storages share their coalesced bucket instead of being copied out of it.
+//
+// The cache's budget follows the batch size: it keeps up to max(limit, batches x the largest
+// batch received so far) - by default max(2 GiB, 2 batches) - so a batch of several GiB (single
+// storages over 2^31 bytes) is received into recycled memory from the second one on. A batch
+// is what arrives between two begin_batch calls.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -26,8 +31,10 @@
 #include <sanitizer/asan_interface.h>
 #endif
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <mutex>
 
@@ -77,6 +84,8 @@ public:
     static constexpr std::size_t min_cached_bytes = std::size_t{2} << 20;  // smaller: at::empty
     static constexpr std::size_t block_rounding = std::size_t{64} << 10;
     static constexpr std::size_t default_limit = std::size_t{2} << 30;
+    // The budget covers at least this many of the largest batch by default (set_limits).
+    static constexpr std::size_t default_batches = 2;
     // A cached block that the next batch did not reuse is freed when the one after starts:
     // a training loop drops batch t after receiving t + 1, and t + 2 reuses its blocks, so
     // the cache holds about one batch beyond the one in use - never blocks of sizes that
@@ -92,6 +101,7 @@ public:
     void begin_batch() {
         std::lock_guard<std::mutex> lock(mutex_);
         ++clock_;
+        batch_bytes_ = 0;
         evict_locked([&](const cached_block& c) { return clock_ - c.returned_at > max_idle_batches; });
     }
 
@@ -103,6 +113,8 @@ public:
         std::size_t capacity = need;
         {
             std::lock_guard<std::mutex> lock(mutex_);
+            batch_bytes_ += need;
+            largest_batch_ = std::max(largest_batch_, batch_bytes_);
             // The smallest cached block that fits and wastes at most 1/8 of what is needed: packs
             // of media vary in size from batch to batch, and a follower's batch must not take
             // much more memory than its bytes.
@@ -129,19 +141,24 @@ public:
                               &receive_cache::release);
     }
 
-    void set_limit(std::size_t bytes) {
+    // Keeps up to max(bytes, batches x the largest batch received so far); batches = 0: `bytes`
+    // is the budget, fixed.
+    void set_limits(std::size_t bytes, std::size_t batches) {
         std::lock_guard<std::mutex> lock(mutex_);
         limit_ = bytes;
+        batches_ = batches;
         // Largest first: they free the most with the fewest calls.
-        while (cached_ > limit_) free_locked(std::prev(free_.end()));
+        while (cached_ > budget_locked()) free_locked(std::prev(free_.end()));
     }
+    void set_limit(std::size_t bytes) { set_limits(bytes, 0); }
 
     struct stats {
-        std::size_t limit_bytes, cached_bytes, blocks_reused, blocks_allocated;
+        std::size_t limit_bytes, cached_bytes, blocks_reused, blocks_allocated, largest_batch_bytes;
+        std::size_t base_limit_bytes, batches;  // as set: the budget is max(base, batches x largest)
     };
     stats statistics() {
         std::lock_guard<std::mutex> lock(mutex_);
-        return {limit_, cached_, reused_, allocated_};
+        return {budget_locked(), cached_, reused_, allocated_, largest_batch_, limit_, batches_};
     }
 
 private:
@@ -156,9 +173,17 @@ private:
         delete b;  // frees the memory unless the cache took it
     }
 
+    // What the cache may keep now: the limit, or `batches_` times the largest batch so far.
+    std::size_t budget_locked() const {
+        const std::size_t most = std::numeric_limits<std::size_t>::max();
+        const std::size_t following =
+            batches_ != 0 && largest_batch_ > most / batches_ ? most : batches_ * largest_batch_;
+        return std::max(limit_, following);
+    }
+
     void give_back(block& b) {
         std::lock_guard<std::mutex> lock(mutex_);
-        if (cached_ + b.capacity <= limit_) {
+        if (cached_ + b.capacity <= budget_locked()) {
             mark_addressable(b.memory.get(), 0, b.capacity);
             cached_ += b.capacity;
             free_.emplace(b.capacity, cached_block{std::move(b.memory), clock_});
@@ -194,6 +219,9 @@ private:
     std::uint64_t clock_ = 0;                        // batches received so far
     std::size_t cached_ = 0;
     std::size_t limit_ = default_limit;
+    std::size_t batches_ = default_batches;
+    std::size_t batch_bytes_ = 0;                    // cached-size blocks of the batch arriving now
+    std::size_t largest_batch_ = 0;                  // the most of them one batch took, so far
     std::size_t reused_ = 0;
     std::size_t allocated_ = 0;
 };

@@ -15,8 +15,12 @@
 //   leader on another host: after the frame, once the relay is in, with a progress message per
 //   chunk before it); a
 //   follower answers "released" (or "forked") with segment ids when the last storage over them
-//   is gone. Answers never block a deleter (follower_link), the root reads them at every
-//   broadcast, and every other wait on these sockets is bounded by options.timeout.
+//   is gone, and at the start of every broadcast sends a "released" with no ids that names the
+//   broadcast: everything it let go of before is reported. Answers never block a deleter
+//   (follower_link), the root reads them at every broadcast (and, before it would create a
+//   segment while one its followers map could come back, waits a bounded time for each
+//   follower's start of the broadcast: await_followers), and every other wait on these sockets
+//   is bounded by options.timeout.
 #pragma once
 
 #include "../../error.hpp"
@@ -57,7 +61,9 @@ namespace spbcast::detail {
 inline constexpr std::uint32_t shm_message_magic = 0x4D485353;  // "SSHM"
 // hello: a follower's first message (its rank). segments: the descriptors of one broadcast,
 // sent before its frame. released / forked: a follower's answers, several ids each; forked
-// means a child forked since the segment was mapped may still map it (fork_safety.hpp).
+// means a child forked since the segment was mapped may still map it (fork_safety.hpp). A
+// released with no ids and a sequence: the follower starts that broadcast, and has reported
+// every segment it let go of before (follower_link::arrive).
 // relay_progress: a host leader on another host has one more chunk of the broadcast `sequence`
 // (capacity: chunks landed so far); its followers wait for each one in turn, never for the whole
 // relay at once. The root sends its host's followers the same reports of the chunks it has sent
@@ -236,6 +242,17 @@ public:
         flush_locked();
     }
 
+    // At the start of broadcast `sequence`: what the backlog holds, then a report with no ids
+    // that names the broadcast - so the root, which may wait for it before it places the batch
+    // (same_host_state::await_followers), knows every segment this rank let go of by then. It
+    // never waits either: what has no room now goes with the next report or broadcast.
+    void arrive(std::uint64_t sequence) {
+        if (::getpid() != owner_) return;
+        std::lock_guard<std::mutex> lock(mutex_);
+        arrival_ = sequence;
+        flush_locked();
+    }
+
     // After a transport failure or when the same-host path ends: no more reports; the socket
     // closes now, not when the last storage of this group's batches goes.
     void close() {
@@ -244,6 +261,7 @@ public:
         sock_.reset();
         released_.clear();
         forked_.clear();
+        arrival_ = 0;
     }
 
 private:
@@ -259,16 +277,23 @@ private:
                 if (status == send_status::failed) {  // the root is gone
                     forked_.clear();
                     released_.clear();
+                    arrival_ = 0;
                     return;
                 }
                 ids->resize(ids->size() - m.count);
             }
         }
+        if (arrival_ == 0) return;  // after every id: the root takes it as "all reported"
+        shm_message m;
+        m.kind = shm_message_kind::released;
+        m.sequence = arrival_;
+        if (send_message(sock_.get(), m, {}, std::chrono::milliseconds(-1)) != send_status::would_block) arrival_ = 0;
     }
 
     std::mutex mutex_;
     owned_fd sock_;
     std::vector<std::uint64_t> released_, forked_;
+    std::uint64_t arrival_ = 0;  // a start of a broadcast not yet told (arrive)
     const pid_t owner_ = ::getpid();
 };
 
@@ -300,6 +325,7 @@ struct root_link {
     owned_fd sock;
     std::multiset<std::uint64_t> held;  // segments this follower maps (or has not yet answered)
     bool alive = true;
+    std::uint64_t arrived = 0;  // the latest broadcast this follower said it started
 };
 
 // One host of a hierarchical (group, root): its leader (the root on the root's host) and the
@@ -333,29 +359,60 @@ struct same_host_state {
     // socket closed or sent nonsense has died or lost step: its link is dropped, and the path
     // ends with this broadcast (send.hpp).
     void collect_releases() {
-        auto& pool = shm_pool::instance();
-        for (root_link& l : links) {
-            while (l.alive) {
-                shm_message m;
-                std::vector<owned_fd> stray;
-                const auto status = receive_message(l.sock.get(), m, stray, std::chrono::milliseconds(-1));
-                if (status == receive_status::timed_out) break;
-                const bool answer = m.kind == shm_message_kind::released || m.kind == shm_message_kind::forked;
-                if (status != receive_status::ok || !answer) {
-                    drop_link(l, status == receive_status::closed ? "its socket closed" : "it sent a malformed message");
-                    break;
-                }
-                for (std::uint32_t i = 0; i < m.count; ++i) {
-                    auto it = l.held.find(m.ids[i]);
-                    if (it == l.held.end()) continue;
-                    l.held.erase(it);
-                    if (m.kind == shm_message_kind::forked)
-                        pool.forget(m.ids[i]);
-                    else
-                        pool.release_follower(m.ids[i]);
-                }
+        for (root_link& l : links)
+            while (read_answer(l)) {
             }
+    }
+
+    // Root, before it places the batch of broadcast `sequence` in a new segment while one that
+    // its followers still map would fit: reads their answers until every live follower has said
+    // it started this broadcast (after reporting everything it let go of before), or `done()`
+    // (a segment came back), or `bound` has passed. Never an error: the batch then takes a new
+    // segment, and a follower that is gone ends the path as at any broadcast (`lost`). So the
+    // segments a loop has let go of return before the next batch is placed, and the host holds
+    // only the batches the loop keeps alive.
+    template <class Done>
+    void await_followers(std::uint64_t sequence, std::chrono::milliseconds bound, Done done) {
+        const auto deadline = std::chrono::steady_clock::now() + bound;
+        for (;;) {
+            collect_releases();
+            if (done()) return;
+            std::vector<pollfd> waiting;
+            for (const root_link& l : links)
+                if (l.alive && l.arrived < sequence) waiting.push_back({l.sock.get(), POLLIN, 0});
+            const auto left =
+                std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+            if (waiting.empty() || left.count() <= 0) return;
+            const int r = ::poll(waiting.data(), waiting.size(), static_cast<int>(std::min<std::int64_t>(left.count(), 1000)));
+            if (r < 0 && errno != EINTR) return;
         }
+    }
+
+    // Reads one answer of `l` if one is waiting (true). A follower whose socket closed or that
+    // sent nonsense is dropped.
+    bool read_answer(root_link& l) {
+        if (!l.alive) return false;
+        shm_message m;
+        std::vector<owned_fd> stray;
+        const auto status = receive_message(l.sock.get(), m, stray, std::chrono::milliseconds(-1));
+        if (status == receive_status::timed_out) return false;
+        const bool answer = m.kind == shm_message_kind::released || m.kind == shm_message_kind::forked;
+        if (status != receive_status::ok || !answer) {
+            drop_link(l, status == receive_status::closed ? "its socket closed" : "it sent a malformed message");
+            return false;
+        }
+        if (m.kind == shm_message_kind::released && m.count == 0) l.arrived = std::max(l.arrived, m.sequence);
+        auto& pool = shm_pool::instance();
+        for (std::uint32_t i = 0; i < m.count; ++i) {
+            auto it = l.held.find(m.ids[i]);
+            if (it == l.held.end()) continue;
+            l.held.erase(it);
+            if (m.kind == shm_message_kind::forked)
+                pool.forget(m.ids[i]);
+            else
+                pool.release_follower(m.ids[i]);
+        }
+        return true;
     }
 
     // A follower that can no longer answer may still map what it holds: forgotten.

@@ -7,16 +7,20 @@
 // recycling invariant (docs/transports.md, "The same-host path") lives there.
 //
 // Bounded three ways (shared_memory_limits): free bytes, free segments, and every segment the
-// pool tracks - each costs a descriptor and a mapping on the root. Past the last bound the pool
-// forgets the oldest segments that only followers hold: it closes its descriptor and mapping,
-// the followers keep their pages, and the kernel frees them when the last mapping goes.
+// pool tracks - each costs a descriptor and a mapping on the root. The free-bytes bound follows
+// the batch size by default: at least free_batches (2) times the largest batch placed so far, so
+// a batch of any size is placed in recycled pages from the second one on. Past the last bound
+// the pool forgets the oldest segments that only followers hold: it closes its descriptor and
+// mapping, the followers keep their pages, and the kernel frees them when the last mapping goes.
 #pragma once
 
 #include "fork_safety.hpp"
 #include "shm_segment.hpp"
 
+#include <algorithm>
 #include <cassert>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -27,7 +31,7 @@
 namespace spbcast::detail {
 
 struct shm_pool_stats {
-    std::size_t limit_bytes = 0;      // bound on free (cached) segment bytes
+    std::size_t limit_bytes = 0;      // bound on free (cached) segment bytes, as it stands now
     std::size_t cached_bytes = 0;     // free segments kept for reuse
     std::size_t held_bytes = 0;       // segments some follower still maps, or a root's tensor lives in
     std::size_t segments_reused = 0;  // batches filled into a recycled segment
@@ -37,13 +41,19 @@ struct shm_pool_stats {
     std::size_t tensors_shared = 0;     // of those, sent without a copy (their segment handed over)
     std::size_t segments = 0;           // segments tracked now: one descriptor and one mapping each
     std::size_t segments_forgotten = 0; // left to their mappers (a fork, a bound, a lost link)
+    std::size_t largest_batch_bytes = 0;  // the most segment bytes one batch lay in, so far
 };
 
-// The pool's bounds (spbcast::set_shared_memory_limits).
+// The pool's bounds (spbcast::set_shared_memory_limits). Free segment bytes are kept up to
+// max(free_bytes, free_batches x the largest batch placed so far): with free_batches = 0,
+// free_bytes is the bound as given. Limits a caller fills in start at free_batches = 0 - the
+// bytes they set are the bound; the pool itself starts at default_limits (2 GiB, following the
+// batch size at 2 batches).
 struct shm_pool_limits {
     std::size_t free_bytes = std::size_t{2} << 30;
     std::size_t free_segments = 16;
     std::size_t segments = 256;
+    std::size_t free_batches = 0;
 };
 
 // Who may still map a segment. The recycling invariant: a segment is refilled only when
@@ -61,6 +71,8 @@ public:
     static constexpr std::size_t rounding = std::size_t{64} << 10;
     // A free segment the next two batches did not reuse is freed (sizes that stopped coming).
     static constexpr std::uint64_t max_idle_batches = 2;
+    // The pool's bounds until set_limits: 2 GiB of free segments, or twice the largest batch.
+    static constexpr shm_pool_limits default_limits{std::size_t{2} << 30, 16, 256, 2};
 
     static shm_pool& instance() {
         static auto* pool = new shm_pool();  // never destroyed: deleters may run after main
@@ -119,6 +131,30 @@ public:
         ++fallbacks_;
     }
 
+    // A batch lay in segments of `bytes` in all: the free-bytes bound follows the largest.
+    void note_batch(std::size_t bytes) {
+        if (!owner()) return;
+        std::lock_guard<std::mutex> lock(mutex_);
+        largest_batch_ = std::max(largest_batch_, bytes);
+    }
+
+    // Where a batch of `bytes` would go now: a free segment that fits, none free but one that
+    // fits is held only by followers (it may come back as they let go of their batches), or
+    // neither (a new segment).
+    enum class fit { free, held, none };
+    fit fit_for(std::size_t bytes) {
+        if (!owner()) return fit::none;
+        const std::size_t need = rounded(bytes);
+        std::lock_guard<std::mutex> lock(mutex_);
+        fit found = fit::none;
+        for (auto& [id, e] : segments_) {
+            if (!fits(e.segment.capacity(), need)) continue;
+            if (e.holders.may_refill()) return fit::free;
+            if (!e.holders.root_tensor) found = fit::held;
+        }
+        return found;
+    }
+
     // A follower let go of segment `id` (it unmapped it, or never mapped it).
     // Without a same-host path left to serve (set_serving), a segment let go of is freed, not
     // kept for reuse: a host leader's own batches may outlive its failed group.
@@ -163,7 +199,7 @@ public:
         if (!owner()) return;
         std::lock_guard<std::mutex> lock(mutex_);
         limits_ = limits;
-        trim_locked(limits_.free_bytes, limits_.free_segments);
+        trim_locked(free_bytes_bound_locked(), limits_.free_segments);
     }
     shm_pool_limits limits() {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -180,7 +216,7 @@ public:
     shm_pool_stats statistics() {
         std::lock_guard<std::mutex> lock(mutex_);
         shm_pool_stats s;
-        s.limit_bytes = limits_.free_bytes;
+        s.limit_bytes = free_bytes_bound_locked();
         s.cached_bytes = cached_;
         for (auto& [id, e] : segments_)
             if (!e.holders.may_refill()) s.held_bytes += e.segment.capacity();
@@ -191,6 +227,7 @@ public:
         s.tensors_shared = tensors_shared_;
         s.segments = segments_.size();
         s.segments_forgotten = forgotten_;
+        s.largest_batch_bytes = largest_batch_;
         return s;
     }
 
@@ -208,20 +245,36 @@ private:
     // mappings it does not have (fork_safety.hpp): it never uses it. Checked before locking.
     bool owner() const { return ::getpid() == owner_; }
 
-    // A free segment of at least `bytes` (reused when one fits without wasting more than a
-    // quarter or 2 MiB: followers map only the bytes in use, so the slack costs nobody new
-    // memory), or a new one, held by `holders`. On failure an empty lease and the reason.
+    static std::size_t rounded(std::size_t bytes) {
+        return std::max<std::size_t>((bytes + rounding - 1) / rounding * rounding, rounding);
+    }
+    // A segment of `capacity` takes a batch of `need` (rounded) bytes when it wastes at most a
+    // quarter or 2 MiB: followers map only the bytes in use, so the slack costs nobody new memory.
+    static bool fits(std::size_t capacity, std::size_t need) {
+        return capacity >= need && capacity - need <= std::max(need / 4, std::size_t{2} << 20);
+    }
+
+    // The bound on free segment bytes now: free_bytes, or free_batches x the largest batch.
+    std::size_t free_bytes_bound_locked() const {
+        const std::size_t most = std::numeric_limits<std::size_t>::max();
+        const std::size_t following = limits_.free_batches != 0 && largest_batch_ > most / limits_.free_batches
+                                          ? most
+                                          : limits_.free_batches * largest_batch_;
+        return std::max(limits_.free_bytes, following);
+    }
+
+    // A free segment of at least `bytes` (reused when one fits), or a new one, held by
+    // `holders`. On failure an empty lease and the reason.
     lease acquire(std::size_t bytes, segment_holders holders, std::string& why_not) {
         if (!owner()) {
             why_not = "this process was forked from the one that owns the segment pool";
             return {};
         }
-        const std::size_t need = std::max<std::size_t>((bytes + rounding - 1) / rounding * rounding, rounding);
+        const std::size_t need = rounded(bytes);
         std::lock_guard<std::mutex> lock(mutex_);
         entry* best = nullptr;
         for (auto& [id, e] : segments_)
-            if (e.holders.may_refill() && e.segment.capacity() >= need &&
-                e.segment.capacity() - need <= std::max(need / 4, std::size_t{2} << 20) &&
+            if (e.holders.may_refill() && fits(e.segment.capacity(), need) &&
                 (!best || e.segment.capacity() < best->segment.capacity()))
                 best = &e;
         if (best) {
@@ -263,7 +316,7 @@ private:
         }
         it->second.returned_at = clock_;
         cached_ += it->second.segment.capacity();
-        trim_locked(limits_.free_bytes, limits_.free_segments);
+        trim_locked(free_bytes_bound_locked(), limits_.free_segments);
     }
 
     // Room for one more tracked segment: frees free ones, then forgets the oldest segments
@@ -306,7 +359,8 @@ private:
     std::uint64_t clock_ = 0;
     std::size_t cached_ = 0;
     bool serving_ = false;
-    shm_pool_limits limits_;
+    shm_pool_limits limits_ = default_limits;
+    std::size_t largest_batch_ = 0;
     std::size_t reused_ = 0, created_ = 0, fallbacks_ = 0, tensors_allocated_ = 0, tensors_shared_ = 0,
                 forgotten_ = 0;
 };

@@ -130,6 +130,15 @@ public:
     // the network path, with its copy-out rule.
     template <storage_memory Memory>
     void adopt_slots(std::vector<at::Tensor> slot_data, Memory& memory) {
+        // What it allocates from the cache (gathered storages, buckets of the frame) is a batch
+        // of the cache's, as in allocate().
+        const bool uses_cache =
+            std::any_of(slots_.begin(), slots_.end(),
+                        [](const slot_meta& slot) { return slot.in_frame && slot.bytes >= Memory::min_cached_bytes; }) ||
+            std::any_of(storages_.begin(), storages_.end(), [](const storage_meta& storage) {
+                return storage.gather && storage.nbytes >= Memory::min_cached_bytes;
+            });
+        if (uses_cache) memory.begin_batch();
         storage_data_.assign(storages_.size(), at::Tensor());
         bucket_data_ = std::move(slot_data);
         bucket_data_.resize(slots_.size());
