@@ -20,11 +20,14 @@ restores its loader at once and every SP rank raises what that raised, as in BAS
 travel with the next step.
 """
 
+import concurrent.futures
 import contextlib
+import collections
 import dataclasses
+import functools
 import logging
+import queue
 import time
-
 import warnings
 
 import torch
@@ -33,6 +36,7 @@ import torch.utils.data.distributed
 
 from ._broadcast import (_TRANSPORTS, _group_and_root, _group_timeout, _keep_alive, _relay_chunk_bytes,
                          _relay_hosts, _same_host_path, _seconds, broadcast)
+from . import _prefetch
 from ._shared_memory import shared_memory
 from ._wire import decode_body
 from .errors import Error, LoaderError, RemoteError, ResumeWarning, TransportError, loader_error, type_name
@@ -164,6 +168,33 @@ def _is_description(error):
                              and all(type(v) is str for v in error.values()))
 
 
+def _receive_step(group, leader, options, name):
+    """A follower's side of LeaderLoader._send_step: the envelope in wire form, and the leader's
+    refusal (a RemoteError) when its batch was refused and the batch-less envelope followed."""
+    try:
+        return broadcast(None, group, leader, _name=name, _decode=False, **options), None
+    except TransportError:
+        raise
+    except RemoteError as refused:  # the leader refused its batch; its step follows
+        return broadcast(None, group, leader, _name=name + " (refused)", _decode=False, **options), refused
+
+
+def _follow(channel, leader, options, received):
+    """A follower's prefetch thread: receives the leader's envelopes on the channel, in order,
+    into ``received`` - until the end of the data (or of the pass), the leader's close, or an
+    error, which is put there too for the trainer's thread to raise at its step."""
+    while True:
+        started = time.monotonic()
+        try:
+            envelope, refused = _receive_step(channel, leader, options, "the next step")
+        except BaseException as e:  # noqa: BLE001 - raised at the step that waits for it
+            received.put(e)
+            return
+        received.put((envelope, refused, time.monotonic() - started))
+        if type(envelope) is not dict or envelope.get("done") is not False or envelope.get("kind") == "stop":
+            return
+
+
 class _Steps:
     """A LeaderLoader's iterator. An error (a fetch that raised, a batch refused) does not end
     it, as it does not end a DataLoader's: a trainer that catches it calls next() again."""
@@ -237,6 +268,18 @@ class LeaderLoader:
         ``spbcast.shared_memory()``, so the batch's large tensors are born in shared memory and
         the broadcast copies nothing. Off (or with transport "network", or where the group took
         the network path) batches are ordinary memory, copied by the broadcast.
+    prefetch: how many steps the leader fetches and broadcasts ahead, while the trainer runs its
+        step (on a thread of each rank and a Gloo group of the SP ranks of the loader's own, so
+        never in the middle of the trainer's collectives on the SP group). None (default): 1
+        where that keeps every rank's batches and generators BASE's - a torch DataLoader with
+        worker processes and one of torch's samplers (its fetch draws nothing from the default
+        CPU generator in this process), its own state, if any, torchdata's - and 0 (each batch
+        fetched and sent when next() asks for it) elsewhere; ``prefetch_reason`` says which. An
+        int: that depth; the caller vouches that the loader's fetch draws nothing from the
+        default CPU generator in this process. What BASE does on the trainer's thread stays
+        there: a pass starts (its iterator, its base seed, set_epoch) when next() asks for its
+        first batch; state_dict() is the state after the last batch taken, not the prefetched
+        ones; an error of a prefetched fetch is raised at its own step.
 
     Every SP rank must iterate in step. ``state_dict()`` (or ``get_state_dict(...)``) is taken on
     the SP leader and ``load_state_dict()`` needs it only there (followers learn the position
@@ -247,8 +290,8 @@ class LeaderLoader:
     def __init__(self, make_loader, sp_group=None, *, sp_media_dedup, total_epoch=None,
                  total_step=None, first_epoch=0, set_epoch="auto", build_on_every_rank=None,
                  state_hooks=None, tp_size=1, timeout=None, root_wait=None, transport="auto",
-                 relay_chunk_bytes=None, leader_allocates_in_shared_memory=True, log_every=100,
-                 log=None):
+                 relay_chunk_bytes=None, leader_allocates_in_shared_memory=True, prefetch=None,
+                 log_every=100, log=None):
         # Checked on every rank before any collective, so a bad configuration is one clear error
         # everywhere rather than a rank stuck in a collective.
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -297,6 +340,10 @@ class LeaderLoader:
             raise Error(where + f"root_wait ({root_wait!r}) must be at least timeout "
                         f"({timeout if timeout is not None else _DEFAULT_TIMEOUT!r} s)", "invalid_argument")
         _relay_chunk_bytes(relay_chunk_bytes, where)
+        if prefetch is not None and (type(prefetch) is not int or prefetch < 0):
+            raise Error(where + f"prefetch must be None (where it keeps every rank's batches and "
+                        f"generators BASE's) or an int of at least 0 (got {prefetch!r})",
+                        "invalid_argument")
 
         self.total_epoch = total_epoch
         self.total_step = total_step
@@ -317,7 +364,7 @@ class LeaderLoader:
         self.log_every = log_every
         self._log = log if log is not None else logging.getLogger("spbcast").info
         self._stats = {"steps": 0, "bytes": 0, "loader_seconds": 0.0, "broadcast_seconds": 0.0,
-                       "leader_loader_seconds": 0.0}
+                       "leader_loader_seconds": 0.0, "wait_seconds": 0.0, "prefetch_hits": 0}
         self.epoch = first_epoch
         self.step = 0
         self._pass = 0  # passes completed
@@ -339,6 +386,18 @@ class LeaderLoader:
         self._carried_words = 0
         self.loader = None
         self.length = -1
+        # Prefetch (see "prefetch" below): the depth in use and why, the channel and thread, the
+        # leader's submitted steps, a follower's received ones.
+        self.prefetch, self.prefetch_reason = 0, "sp_media_dedup is off"
+        self._prefetch_state = None
+        self._channel = self._prefetcher = None
+        self._in_flight = collections.deque()
+        self._iter_ended = False  # a prefetched fetch found the pass ended (the leader took its marker)
+        self._pass_ended = False  # set on the prefetch thread: the pass's iterator is exhausted
+        self._listening = False  # the leader: its followers' threads are receiving envelopes
+        self._following = None  # a follower: the job receiving envelopes, while it runs
+        self._received = queue.Queue()
+        self._discarding = False  # a follower: skip prefetched envelopes until a synchronous one
 
         if sp_media_dedup and not dist.is_initialized():
             raise Error(where + "sp_media_dedup needs torch.distributed to be initialized",
@@ -370,7 +429,7 @@ class LeaderLoader:
         # would use it alone.
         _group_and_root(self.group, self._leader)
 
-        init = {"error": None, "words": 0, "length": -1}
+        init = {"error": None, "words": 0, "length": -1, "prefetch": 0, "prefetch_reason": ""}
         failure = None  # the leader's own exception, the cause of what every rank raises
         if self.is_leader:
             try:
@@ -382,6 +441,8 @@ class LeaderLoader:
                     words = [0]
                     self._start_pass(words)
                     init["words"] += words[0]
+                    init["prefetch"], init["prefetch_reason"], self._prefetch_state = \
+                        self._prefetch_policy(prefetch)
             except Exception as e:  # noqa: BLE001 - sent to the followers, re-raised below
                 failure = e
                 init["error"] = _describe(e)
@@ -391,6 +452,12 @@ class LeaderLoader:
         if not self.is_leader:
             self._replay(init["words"])
         self.length = init["length"]
+        self.prefetch, self.prefetch_reason = init["prefetch"], init["prefetch_reason"]
+        if self.prefetch:
+            # Every SP rank, at the same point: the channel is a group of the SP ranks.
+            self._channel = _prefetch.channel(self.group, self.root_wait)
+            self._prefetcher = _prefetch.Prefetcher(f"spbcast prefetch (rank {rank})")
+            _prefetch.close_at_exit(self)
 
     # ---- public -------------------------------------------------------------------------------
 
@@ -421,6 +488,7 @@ class LeaderLoader:
             # One pass per iter(), as the loader's own: a new iter() starts a new pass, except
             # the first after load_state_dict, which continues where the state was taken.
             if not self._resumed and (self._iter is not None or self._in_epoch > 0):
+                self._drop_prefetched()
                 self._iter, self._in_epoch, self._skip = None, 0, 0
             self._finished = False
         return _Steps(self)
@@ -449,6 +517,7 @@ class LeaderLoader:
         if self._closed:
             return
         self._closed = True
+        self._close_prefetch()
         # torch-internal, named here only: a DataLoader iterator's _shutdown_workers() and the
         # DataLoader's _iterator (its persistent workers' iterator). Where a torch has neither,
         # dropping the references below ends the workers when the iterator is collected.
@@ -461,6 +530,14 @@ class LeaderLoader:
 
     def __enter__(self):
         return self
+
+    def __del__(self):
+        # Collected at any time, on each rank at its own: no message to the peers, and the
+        # channel stays (destroying it here would change the names of the next groups made on
+        # this rank and not on its peers): only the prefetch thread ends, once its jobs are done.
+        prefetcher = getattr(self, "_prefetcher", None)
+        if prefetcher is not None and prefetcher.usable():
+            prefetcher.stop(0)
 
     def __exit__(self, *exc):
         self.close()
@@ -477,17 +554,45 @@ class LeaderLoader:
         of all DP replicas call it together (followers return {} and call nothing)."""
         if self.loader is None:
             return {}
+        self._settle()  # the prefetched fetches are done: the loader is not in use
         self._run_pending_outside_step()
         state = {"version": _STATE_VERSION, "epoch": self.epoch, "pass": self._pass,
                  "step": self.step, "in_epoch": self._in_epoch, "epoch_value": self._epoch_value,
                  "loader": None}
         save = self._save_hook()
         if save is not None:
-            state["loader"] = self._outside_step("taking the loader's state",
-                                                 lambda: save(*args, **kwargs))
+            state["loader"] = self._loader_state(save, args, kwargs)
         else:  # what the pass's order came from, and how far it went, to replay it on resume
             state["pass_generators"] = self._pass_generators
             state["fetches_in_pass"] = self._fetches_in_pass
+        return state
+
+    def _loader_state(self, save, args, kwargs):
+        """The loader's own state as of the last step taken: with batches prefetched, taken back
+        by them (see _prefetch_policy)."""
+        outcomes = [job.result() for job in self._in_flight]
+        if not outcomes:
+            return self._outside_step("taking the loader's state", lambda: save(*args, **kwargs))
+        if self._prefetch_state == "rewind":
+            batches = [o["batch"] for o in outcomes if o["batch"] is not None]
+            with self._rewound(batches):
+                state = self._outside_step("taking the loader's state", lambda: save(*args, **kwargs))
+        elif args or kwargs:
+            raise Error(self._where() + ": the loader's state was asked for with arguments while "
+                        "batches are prefetched; spbcast took it before the first of them without "
+                        "arguments: call get_state_dict() without them, or pass prefetch=0",
+                        "invalid_argument")
+        else:
+            state = outcomes[0]["snapshot"]
+            if isinstance(state, BaseException):
+                raise loader_error(self._where() + f": taking the loader's state raised "
+                                   f"{type_name(type(state))}: {state}", type_name(type(state)),
+                                   str(state), type(state)) from state
+        if self._carried_words:
+            raise Error(self._where() + f": the loader's calls outside the steps drew "
+                        f"{self._carried_words} words from the default CPU generator while batches "
+                        "were prefetched: the followers cannot mirror them at their step; pass "
+                        "prefetch=0 for this loader", "loader")
         return state
 
     def load_state_dict(self, state):
@@ -506,6 +611,7 @@ class LeaderLoader:
         if not self.dedup:
             _warn_of_resume(self._load(state))
             return
+        self._drop_prefetched()
         outcome, failure = {"error": None, "warning": None}, None
         if self.is_leader:
             try:
@@ -595,50 +701,260 @@ class LeaderLoader:
             started = time.monotonic()
             batch = self._fetch(None)
             received = {"done": batch is _END, "seconds": time.monotonic() - started}
-            self._count_step(received, batch, 0.0)
+            self._count_step(received, batch, 0.0, 0.0)
             return batch is _END, (None if batch is _END else batch)
-        envelope = {"error": None, "epoch": 0, "step": 0, "words": 0, "done": False, "batch": None,
-                    "seconds": 0.0}
-        failure = None  # the leader's own exception, the cause of what every rank raises
-        if self.is_leader:
-            started = time.monotonic()
-            words = [self._carried_words]
-            self._carried_words = 0
-            try:
-                # While the leader fetches, the followers wait in the broadcast below: keep-alive
-                # frames tell them it is still working. On the same-host path a batch collated
-                # on this thread is born in shared memory, so the broadcast copies nothing.
-                in_shared_memory = shared_memory() if self._batches_in_shared_memory() else contextlib.nullcontext()
-                with self._still_working():
-                    self._run_pending(words)
-                    with in_shared_memory:
-                        batch = self._fetch(words)
-                envelope["done"] = batch is _END
-                envelope["batch"] = None if batch is _END else batch
-            except Exception as e:  # noqa: BLE001 - sent to the followers, re-raised below
-                failure = e
-                envelope["error"] = _describe(e)
-            envelope["words"] = words[0]
-            envelope["epoch"], envelope["step"] = self.epoch, self.step
-            envelope["seconds"] = time.monotonic() - started
+        if self.prefetch:
+            return self._next_prefetching()
+        started = time.monotonic()
+        envelope, failure = self._leader_step() if self.is_leader else (None, None)
         sending = time.monotonic()
-        received, refusal = self._send_step(envelope)
-        seconds = time.monotonic() - sending
-        if not self.is_leader:
-            # Before anything can fail: the leader's draws and counters, whatever the step's
-            # outcome (a fetch that raised, a batch refused), so the mirror survives the error.
-            self._replay(received["words"])
+        received, refusal = self._send_step(envelope, self.group)
+        now = time.monotonic()
+        return self._consume(received, failure or refusal, now - sending, now - started)
+
+    def _leader_step(self):
+        """The leader's envelope of a step fetched now, on the trainer's thread (the synchronous
+        step), and its own exception if the fetch raised."""
+        envelope = {"error": None, "epoch": 0, "step": 0, "words": 0, "done": False, "batch": None,
+                    "seconds": 0.0, "kind": "step"}
+        failure = None
+        started = time.monotonic()
+        words = [self._carried_words]
+        self._carried_words = 0
+        try:
+            # While the leader fetches, the followers wait in the broadcast below: keep-alive
+            # frames tell them it is still working. On the same-host path a batch collated on
+            # this thread is born in shared memory, so the broadcast copies nothing.
+            with self._still_working():
+                self._run_pending(words)
+                with self._fetching_in_shared_memory():
+                    batch = self._fetch(words)
+            envelope["done"] = batch is _END
+            envelope["batch"] = None if batch is _END else batch
+        except Exception as e:  # noqa: BLE001 - sent to the followers, re-raised below
+            failure = e
+            envelope["error"] = _describe(e)
+        envelope["words"] = words[0]
+        envelope["epoch"], envelope["step"] = self.epoch, self.step
+        envelope["seconds"] = time.monotonic() - started
+        return envelope, failure
+
+    def _consume(self, received, failure, seconds, waited, prefetched=False):
+        """A step's envelope as every rank takes it: the leader's draws and counters (a
+        prefetched step's counters follow from its outcome, as the leader's own loop counts
+        them), then its error or its batch."""
+        error = received["error"]
+        if prefetched:
+            # A batch, or a batch spbcast refused, is a step; a fetch that raised is not, but
+            # it took its samples: the pass's fetch count (for a resume's replay) includes it.
+            if error is None or error["code"] != "loader":
+                self.step += 1
+                self._in_epoch += 1
+            self._fetches_in_pass += 1
+        elif not self.is_leader:
             self.epoch, self.step = received["epoch"], received["step"]
-        if received["error"] is not None:
+        if not self.is_leader:
+            # Before anything can fail: the leader's draws, whatever the step's outcome (a fetch
+            # that raised, a batch refused), so the mirror survives the error.
+            self._replay(received["words"])
+        if error is not None:
             # A refused batch counted as a step (it is step `step`); a fetch that raised did not.
-            doing = (f"sending step {received['step']}" if received["error"]["code"] != "loader"
-                     else f"fetching step {received['step'] + 1}")
-            raise self._leader_failed(doing, received["error"], failure or refusal)
+            doing = (f"sending step {self.step}" if error["code"] != "loader"
+                     else f"fetching step {self.step + 1}")
+            raise self._leader_failed(doing, error, failure)
         batch = received["batch"]
         if not self.is_leader and not received["done"]:
-            batch = decode_body(batch, self.rank, f'step[{received["step"]}]["batch"]')
-        self._count_step(received, batch, seconds)
+            batch = decode_body(batch, self.rank, f'step[{self.step}]["batch"]')
+        self._count_step(received, batch, seconds, waited)
+        if self.is_leader and received["done"]:
+            self._listening = False  # the followers' threads stop at the end of the data
+        elif self.is_leader:
+            self._prefetch_more()
         return received["done"], batch
+
+    # ---- prefetch -------------------------------------------------------------------------------
+    #
+    # With prefetch, every step's envelope travels on the loader's own channel (_prefetch.py), in
+    # one order on every rank. The leader's trainer thread, after taking step t, submits the fetch
+    # and broadcast of t + 1 .. t + depth to its prefetch thread; a follower's prefetch thread
+    # receives envelopes one after another from its first next() until the end of the data.
+    # What BASE does on the trainer's thread stays there, at BASE's step: starting a pass (the
+    # iterator, its base seed, set_epoch), the trainer's calls between steps, resuming. A
+    # prefetched fetch that finds its pass ended sends a "marker" (nothing for this step: the
+    # leader's trainer thread sends it, synchronously); followers skip markers. Where the leader
+    # drops what it prefetched (load_state_dict, a new iter() mid-pass) the next envelope it
+    # sends is a synchronous one, and followers drop prefetched envelopes until they see it.
+
+    def _next_prefetching(self):
+        started = time.monotonic()
+        if self.is_leader:
+            self._listening = True
+            while self._in_flight:
+                job = self._in_flight.popleft()
+                hit = job.done()
+                outcome = job.result()  # waits without the GIL; raises the transport's error
+                if outcome["kind"] == "marker":
+                    self._settle()  # the jobs after it found the pass ended too
+                    self._in_flight.clear()
+                    self._iter_ended = True
+                    break
+                self._stats["prefetch_hits"] += hit
+                return self._consume(outcome["received"], outcome["failure"], outcome["seconds"],
+                                     time.monotonic() - started, prefetched=True)
+            envelope, failure = self._leader_step()
+            sending = time.monotonic()
+            received, refusal = self._send_step(envelope, self._channel)
+            now = time.monotonic()
+            return self._consume(received, failure or refusal, now - sending, now - started)
+        if self._following is None:
+            self._following = self._prefetcher.submit(functools.partial(
+                _follow, self._channel, self._leader, self._broadcast_options(), self._received))
+        while True:
+            hit = not self._received.empty()
+            item = self._received.get()  # waits without the GIL
+            if isinstance(item, BaseException):
+                self._following = None
+                raise item
+            received, refusal, seconds = item
+            received = self._checked_step(received)
+            kind = received["kind"]
+            if kind == "stop":
+                self._following = None
+                raise Error(self._where() + f": the SP leader (rank {self._leader}) closed its "
+                            "LeaderLoader while this rank still iterates it: close it on every SP "
+                            "rank at the same point", "out_of_step")
+            if kind == "marker" or (self._discarding and kind == "prefetched"):
+                continue
+            self._discarding = False
+            break
+        if received["done"]:
+            self._following = None
+        self._stats["prefetch_hits"] += hit and kind == "prefetched"
+        return self._consume(received, refusal, seconds, time.monotonic() - started,
+                             prefetched=kind == "prefetched")
+
+    def _prefetch_more(self):
+        """On the leader, after a step: keep `prefetch` steps in flight while the pass goes on
+        and nothing is due on the trainer's thread first."""
+        while (len(self._in_flight) < self.prefetch and self._iter is not None
+               and not (self._iter_ended or self._pass_ended or self._finished or self._closed
+                        or self._pending or self._carried_words or self._skip
+                        or self._replay_from is not None or self._end_of_epoch_pending)
+               and (self.total_step is None or self.step + len(self._in_flight) < self.total_step)):
+            save = self._save_hook() if self._prefetch_state == "snapshot" else None
+            self._in_flight.append(self._prefetcher.submit(functools.partial(
+                self._prefetched_step, self._iter, save, self.step + len(self._in_flight) + 1)))
+
+    def _prefetched_step(self, iterator, save, step):
+        """On the leader's prefetch thread: fetch the pass's next batch and broadcast it on the
+        channel. Its draws from the default generator are not counted: prefetch runs only where
+        the fetch draws none in this process (see _prefetch_policy)."""
+        envelope = {"error": None, "epoch": -1, "step": -1, "words": 0, "done": False, "batch": None,
+                    "seconds": 0.0, "kind": "prefetched"}
+        outcome = {"failure": None, "snapshot": None, "batch": None}
+        started = time.monotonic()
+        try:
+            with self._still_working():
+                if save is not None:  # the loader's state before this fetch, for state_dict
+                    try:
+                        outcome["snapshot"] = save()
+                    except Exception as e:  # noqa: BLE001 - raised by state_dict, if it is asked for
+                        outcome["snapshot"] = e
+                with self._fetching_in_shared_memory():
+                    batch = _END if self._pass_ended else next(iterator, _END)
+            if batch is _END:
+                self._pass_ended = True
+                envelope["kind"] = "marker"
+            else:
+                envelope["batch"] = outcome["batch"] = batch
+        except Exception as e:  # noqa: BLE001 - raised at its step on every rank
+            outcome["failure"] = e
+            envelope["error"] = _describe(e)
+        envelope["seconds"] = time.monotonic() - started
+        sending = time.monotonic()
+        received, refusal = self._send_step(envelope, self._channel, f"step[{step}]")
+        outcome.update(kind=envelope["kind"], received=received, seconds=time.monotonic() - sending)
+        outcome["failure"] = outcome["failure"] or refusal
+        return outcome
+
+    def _settle(self):
+        """Waits until the leader's prefetch thread has run every job submitted (each sent its
+        envelope), whatever their outcome; they stay to be taken."""
+        concurrent.futures.wait(self._in_flight)
+
+    def _drop_prefetched(self):
+        """On every SP rank, at the same point: what was prefetched is not taken (a resume, a
+        new pass mid-pass). The leader's next envelope is a synchronous step; the followers skip
+        the prefetched ones before it."""
+        if not self.prefetch:
+            return
+        if self.is_leader:
+            self._settle()
+            self._in_flight.clear()
+        elif self._following is not None:
+            self._discarding = True
+        self._iter_ended = self._pass_ended = False
+
+    def _prefetch_policy(self, requested):
+        """On the leader: (depth, why, how the loader's own state is taken with batches in
+        flight: None - it has none; "snapshot" - its save hook before each prefetched fetch;
+        "rewind" - _rewound). By default prefetch only where it keeps every rank's batches and
+        generators BASE's: a torch DataLoader whose fetch runs in worker processes and whose
+        sampler is torch's own (it draws from the default generator only when a pass starts,
+        on the trainer's thread), and whose own state, if any, is torchdata's."""
+        own_state = self._save_hook() is not None
+        stateful = type(self.loader).__module__.startswith("torchdata.stateful_dataloader")
+        if requested is not None:
+            return requested, "prefetch=" + str(requested), ("snapshot" if own_state else None)
+        loader = self.loader
+        if not isinstance(loader, torch.utils.data.DataLoader):
+            return 0, (f"{type(loader).__name__} is not a torch DataLoader, so its fetch may draw "
+                       "from the default CPU generator in this process (pass prefetch=1 if it "
+                       "does not)"), None
+        if loader.num_workers == 0:
+            return 0, ("num_workers=0: the fetch runs in this process, where the dataset or the "
+                       "collate function may draw from the default CPU generator (pass "
+                       "prefetch=1 if they do not)"), None
+        sampler = loader.sampler
+        if type(loader.batch_sampler) is torch.utils.data.BatchSampler:
+            sampler = loader.batch_sampler.sampler
+        elif loader.batch_sampler is not None:
+            sampler = loader.batch_sampler
+        if not (isinstance(loader.dataset, torch.utils.data.IterableDataset)
+                or type(sampler) in _REPLAYABLE_SAMPLERS):
+            return 0, (f"the sampler {type(sampler).__name__} is not one of torch's, and it runs "
+                       "in this process at every fetch (pass prefetch=1 if it draws nothing "
+                       "from the default CPU generator)"), None
+        if own_state and not stateful:
+            return 0, (f"{type(loader).__name__} keeps its own position (state_dict), which "
+                       "spbcast cannot take back by a batch fetched ahead (pass prefetch=1 "
+                       "if its save hook is cheap and local: it is then taken before each "
+                       "prefetched fetch)"), None
+        return 1, f"a DataLoader with {loader.num_workers} workers", ("snapshot" if own_state else None)
+
+    def _rewound(self, batches):
+        """A context in which the loader's own state is as before the prefetched ``batches``
+        (those fetched but not taken): for a loader whose _prefetch_policy says "rewind"."""
+        raise NotImplementedError
+
+    def _close_prefetch(self):
+        if self._prefetcher is None or not self._prefetcher.usable():
+            return
+        wait = _seconds(self.timeout) or _DEFAULT_TIMEOUT
+        try:
+            if self.is_leader:
+                self._settle()
+                self._in_flight.clear()
+                if self._listening:  # the followers' threads are receiving: end them
+                    stop = {"error": None, "epoch": -1, "step": -1, "words": 0, "done": False,
+                            "batch": None, "seconds": 0.0, "kind": "stop"}
+                    self._prefetcher.submit(lambda: self._send_step(stop, self._channel, "stop")).result(wait)
+            elif self._following is not None:
+                concurrent.futures.wait([self._following], wait)
+        except Exception:  # noqa: BLE001 - closing: a peer gone already is no error of close's
+            pass
+        if self._prefetcher.stop(wait):
+            _prefetch.destroy_channel(self._channel)
 
     def stats(self):
         """What the loop's broadcasts did on this rank, so far: ``path`` - how batches travel
@@ -648,9 +964,12 @@ class LeaderLoader:
         its loader), ``broadcast_seconds`` (in the steps' broadcasts - on a follower that
         includes waiting for the leader's loader), ``leader_loader_seconds`` (a follower: the
         leader's loader time for the same steps, so the transfer is about broadcast_seconds
-        minus it) and ``prefetch_hits`` (steps whose batch was already here: none, the loop is
-        synchronous)."""
-        return dict(self._stats, path=self._path(), prefetch_hits=0)
+        minus it), ``wait_seconds`` (what the trainer waited in next(): with prefetch, only for
+        what was not here yet), ``prefetch`` (the depth in use: 0, synchronous) with
+        ``prefetch_reason`` (why that depth), and ``prefetch_hits`` (steps whose batch was here
+        when the trainer asked for it)."""
+        return dict(self._stats, path=self._path(), prefetch=self.prefetch,
+                    prefetch_reason=self.prefetch_reason)
 
     def _path(self):
         if not self.dedup:
@@ -664,9 +983,10 @@ class LeaderLoader:
     def _same_host_path(self):
         return _same_host_path(self.group, self._leader) is True
 
-    def _count_step(self, received, batch, seconds):
+    def _count_step(self, received, batch, seconds, waited):
         stats = self._stats
         stats["broadcast_seconds"] += seconds
+        stats["wait_seconds"] += waited
         if received["done"]:
             if self.log_every:
                 self._log(self._summary())
@@ -684,8 +1004,13 @@ class LeaderLoader:
         s = self.stats()
         line = (self._where() + f": {s['steps']} steps on the {s['path']} path, "
                 f"{s['bytes'] / (1 << 20):.1f} MiB")
+        if s["prefetch"]:
+            line += f", prefetch {s['prefetch']} ({s['prefetch_hits']} steps' batches were here)"
+        else:
+            line += f", no prefetch ({s['prefetch_reason']})"
+        line += f"; the trainer waited {s['wait_seconds']:.2f} s"
         if self.is_leader:
-            return line + (f" sent; {s['loader_seconds']:.2f} s in the loader, "
+            return line + (f"; {s['loader_seconds']:.2f} s in the loader, "
                            f"{s['broadcast_seconds']:.2f} s broadcasting")
         return line + (f"; {s['broadcast_seconds']:.2f} s in the broadcasts, "
                        f"{s['leader_loader_seconds']:.2f} s of it the leader's loader")
@@ -709,37 +1034,27 @@ class LeaderLoader:
         raise_as.__cause__ = cause
         return raise_as
 
-    def _send_step(self, envelope):
+    def _send_step(self, envelope, group, name=None):
         """The step's envelope on every rank (the leader's own; on followers the body with the
         batch still in wire form, its metadata checked), and on the leader the refusal if its
         batch was refused. A batch the root refuses (spbcast cannot send it) is followed by the
         same envelope without the batch, with the refusal as its error: the step's draws and
         counters reach every rank. A refused batch counts as a step (the loader produced it): a
         trainer that skips it goes on at the same step everywhere."""
-        name = f"step[{envelope['step']}]"
+        name = name or (f"step[{envelope['step']}]" if envelope is not None else "the next step")
+        if not self.is_leader:
+            received, refused = _receive_step(group, self._leader, self._broadcast_options(), name)
+            return self._checked_step(received), refused
         kw = self._broadcast_options()
         try:
-            received = broadcast(envelope, self.group, self._leader, _name=name, _decode=False, **kw)
-        except TransportError:
+            broadcast(envelope, group, self._leader, _name=name, **kw)
+            return envelope, None
+        except (TransportError, RemoteError):
             raise
-        except RemoteError as e:  # followers: the leader refused its batch; its step follows
-            if self.is_leader:
-                raise
-            refused = e
-        except Error as e:  # the leader: its batch refused by spbcast (followers got RemoteError)
-            if not self.is_leader:
-                raise
-            refused = e
-        else:
-            if self.is_leader:
-                return envelope, None
-            return self._checked_step(received), None
-        if self.is_leader:
+        except Error as refused:  # the batch refused by spbcast (followers got RemoteError)
             envelope = dict(envelope, batch=None, done=False, error=_describe(refused))
-            broadcast(envelope, self.group, self._leader, _name=name + " (refused)", **kw)
+            broadcast(envelope, group, self._leader, _name=name + " (refused)", **kw)
             return envelope, refused
-        received = broadcast(None, self.group, self._leader, _name=name + " (refused)", _decode=False, **kw)
-        return self._checked_step(received), refused
 
     def _checked_step(self, body):
         if type(body) is dict and body.get("error") is not None:  # still in wire form
@@ -748,8 +1063,10 @@ class LeaderLoader:
             raise Error(self._where() + f": the SP leader (rank {self._leader}) is in load_state_dict "
                         "while this rank fetches a step: call load_state_dict on every SP rank "
                         "(followers may pass None)", "out_of_step")
-        if not (type(body) is dict and set(body) == {"error", "epoch", "step", "words", "done", "batch", "seconds"}
+        if not (type(body) is dict and set(body) == {"error", "epoch", "step", "words", "done", "batch",
+                                                     "seconds", "kind"}
                 and type(body["seconds"]) is float
+                and body["kind"] in ("step", "prefetched", "marker", "stop")
                 and _is_description(body["error"])
                 and type(body["epoch"]) is int and type(body["step"]) is int
                 and type(body["done"]) is bool):
@@ -761,9 +1078,14 @@ class LeaderLoader:
     def _still_working(self):
         # Only around the leader's work inside the step protocol (building the loader, fetching
         # a batch), where every follower is already waiting in the broadcast that follows, as in
-        # C++ leader_loader. state_dict()/load_state_dict() run outside it: the followers may be
-        # in another collective then, which a keep-alive frame would put out of step.
-        return _keep_alive(self.group, self._leader, timeout=self.timeout, transport=self.transport)
+        # C++ leader_loader - on the channel the steps travel on. state_dict()/load_state_dict()
+        # run outside it: the followers may be in another collective then, which a keep-alive
+        # frame would put out of step.
+        group = self._channel if self._channel is not None else self.group
+        return _keep_alive(group, self._leader, timeout=self.timeout, transport=self.transport)
+
+    def _fetching_in_shared_memory(self):
+        return shared_memory() if self._batches_in_shared_memory() else contextlib.nullcontext()
 
     def _batches_in_shared_memory(self):
         # loader.hpp's batches_in_shared_memory(): only when the (group, leader) takes the
@@ -785,11 +1107,16 @@ class LeaderLoader:
             if self._iter is None and self._replay_from is not None:
                 self._replay_pass()
             if self._iter is None:
+                self._iter_ended = self._pass_ended = False
                 self._pass_generators = self._generator_states()
                 self._fetches_in_pass = 0
                 self._iter = self._call(iter, self.loader, words, "creating the loader's iterator")
             try:
-                batch = self._call(next, self._iter, words, "fetching a batch", _END)
+                if self._iter_ended:  # a prefetched fetch found it ended (its marker was taken)
+                    self._iter_ended = self._pass_ended = False
+                    batch = _END
+                else:
+                    batch = self._call(next, self._iter, words, "fetching a batch", _END)
             except Exception:
                 self._fetches_in_pass += 1  # a fetch that raised took its samples all the same
                 raise

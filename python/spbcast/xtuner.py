@@ -19,6 +19,8 @@ derived from XTuner's own keys.
 This module imports XTuner; ``import spbcast`` does not import it.
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from pydantic import ConfigDict
@@ -92,12 +94,37 @@ class XTunerLeaderLoader(LeaderLoader):
     (epochs from 1, its set_epoch, get_state_dict on every rank, rank 0's state loaded on every
     rank). Built by ``DataloaderConfig.build`` with ``sp_media_dedup=True``."""
 
-    def __init__(self, dataloader, sp_group, *, batch_samples, root_wait=None):
+    def __init__(self, dataloader, sp_group, *, batch_samples, root_wait=None, prefetch=None):
         # XTuner's own loop drives the passes (set_epoch=None), numbered from 1.
         # Its summary of the broadcasts goes to XTuner's own log, where its users look.
         super().__init__(lambda: dataloader, sp_group, sp_media_dedup=True, first_epoch=1,
-                         set_epoch=None, root_wait=root_wait, log=lambda line: get_logger().info(line))
+                         set_epoch=None, root_wait=root_wait, prefetch=prefetch,
+                         log=lambda line: get_logger().info(line))
         self._batch_samples = batch_samples  # samples per step over the DP group
+
+    def _prefetch_policy(self, requested):
+        # XTuner's pipeline (its samplers, datasets, packing and collator) draws nothing from
+        # the default CPU generator while fetching, with or without workers: it seeds
+        # generators of its own (test_xtuner_trainer.py checks every rank's generator against
+        # BASE with prefetch on). Its Dataloader counts the samples it yields (_local_samples),
+        # which _rewound takes back by the batches fetched ahead.
+        depth = 1 if requested is None else requested
+        return depth, ("XTuner's Dataloader" if requested is None else f"prefetch={requested}"), "rewind"
+
+    @contextlib.contextmanager
+    def _rewound(self, batches):
+        # torch-internal to XTuner, named here only: Dataloader._local_samples, which its
+        # __iter__ raises by len(batch) as it yields a batch and get_state_dict reads.
+        samples = sum(len(batch) for batch in batches)
+        if not hasattr(self.loader, "_local_samples"):
+            raise Error(self._where() + ": this XTuner's Dataloader has no _local_samples, which "
+                        "spbcast takes back by the prefetched batches when a checkpoint is saved; "
+                        "set sp_media_dedup_prefetch=0", "invalid_argument")
+        self.loader._local_samples -= samples
+        try:
+            yield
+        finally:
+            self.loader._local_samples += samples
 
     def get_state_dict(self):
         """XTuner's Dataloader state, exactly (a collective of the leaders over their DP group,
@@ -166,6 +193,9 @@ class DataloaderConfig(_XTunerDataloaderConfig):
     # broadcast's timeout). None: the SP group's own timeout, as long as BASE's next collective
     # on it waits.
     sp_media_dedup_root_wait: float | None = None
+    # Batches the SP leader fetches and broadcasts ahead, while the step runs (0: each step's
+    # batch is fetched and sent when the Trainer asks for it).
+    sp_media_dedup_prefetch: int = 1
 
     def build(self, tokenizer, dp_mesh, global_batch_size, micro_batch_size, seed, shuffle=True,
               total_step=None):
@@ -192,4 +222,5 @@ class DataloaderConfig(_XTunerDataloaderConfig):
         allow_classes(SequenceContext, DSATopKCacheState)
         dataloader = super().build(**kwargs)  # every rank: the datasets are built collectively
         return XTunerLeaderLoader(dataloader, sp_group, batch_samples=micro_batch_size * dp_mesh.size(),
-                                  root_wait=self.sp_media_dedup_root_wait)
+                                  root_wait=self.sp_media_dedup_root_wait,
+                                  prefetch=self.sp_media_dedup_prefetch)

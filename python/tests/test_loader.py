@@ -42,12 +42,17 @@ def _make(workers, persistent, sampler=False, own_generator=False, main_noise=Fa
     return make
 
 
-def _model_step():
-    # What a training step draws from the default generator between batches (dropout, ...).
+def _model_step(group=None):
+    # What a training step draws from the default generator between batches (dropout, ...), and
+    # a collective of the trainer's own on the SP group, while the next batch is prefetched.
     torch.rand(5)
+    if group is not None:
+        total = torch.ones(3)
+        dist.all_reduce(total, group=group)
+        assert total.tolist() == [dist.get_world_size(group)] * 3
 
 
-def _base(make, epochs):
+def _base(make, epochs, group=None):
     """BASE: a plain loop over this rank's own loader, as a trainer without spbcast runs it.
     Returns the batches, the generator after each fetch, and the generator after each epoch."""
     loader = make()
@@ -56,13 +61,16 @@ def _base(make, epochs):
         for batch in loader:
             batches.append(batch)
             fetched.append(torch.get_rng_state())
-            _model_step()
+            _model_step(group)
         epoch_ends.append(torch.get_rng_state())
     return batches, fetched, epoch_ends
 
 
-def _dedup(make, group, epochs):
+def _dedup(make, group, epochs, prefetch=None):
     ll = spbcast.LeaderLoader(make, group, sp_media_dedup=True, total_epoch=epochs)
+    # By default the leader prefetches where the fetch runs in worker processes (and it is exact
+    # there: the comparison with BASE below), and not where it runs in this process.
+    assert ll.stats()["prefetch"] == prefetch, ll.stats()
     steps_per_epoch = 8
     assert len(ll) == epochs * steps_per_epoch and ll.length == steps_per_epoch
     batches, fetched, epoch_ends = [], [], []
@@ -70,7 +78,7 @@ def _dedup(make, group, epochs):
         assert ll.epoch == len(batches) // steps_per_epoch and ll.step == len(batches) + 1
         batches.append(batch)
         fetched.append(torch.get_rng_state())
-        _model_step()
+        _model_step(group)
         if ll.step % steps_per_epoch == 0:  # the epoch's last batch: the epoch is over
             epoch_ends.append(torch.get_rng_state())
     assert ll.epoch == epochs and ll.step == epochs * steps_per_epoch
@@ -98,10 +106,10 @@ def _matrix(rank, world, configs):
                      main_noise=option == ["main-process noise"])
         seed = 1234 + rank // 2  # one seed per SP group, as SP ranks must load the same batches
         torch.manual_seed(seed)
-        base = _base(make, EPOCHS)
+        base = _base(make, EPOCHS, group)
         end_base = torch.get_rng_state()
         torch.manual_seed(seed)
-        dedup = _dedup(make, group, EPOCHS)
+        dedup = _dedup(make, group, EPOCHS, prefetch=1 if workers else 0)
         end_dedup = torch.get_rng_state()
         _compare(base, dedup)
         assert torch.equal(end_base, end_dedup), f"{workers} workers: generator at the end"

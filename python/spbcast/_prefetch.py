@@ -1,0 +1,119 @@
+"""The prefetch's thread and channel: a LeaderLoader's steps travel on a process group of their own
+(the SP group's ranks, Gloo), driven by one thread per rank, so a batch is fetched and broadcast
+while the trainer runs its step and uses the SP group for its own collectives.
+
+Invariants, kept here:
+- The channel is used by one thread at a time: jobs run one after another on the prefetch thread,
+  and the trainer's thread touches the channel only where it waited for every job it submitted
+  (LeaderLoader keeps that: a synchronous step is sent with no job in flight). Nothing else ever
+  uses the channel, so its collectives are in the same order on every rank.
+- The thread holds no reference to the LeaderLoader (the loader can be collected; its close()
+  ends the thread) and no lock while a job runs: the only lock is the queue's, held for an
+  append or a pop. A process forked meanwhile (a DataLoader worker) gets no thread of ours;
+  ``Prefetcher.usable()`` is False there, and close() in it touches neither thread nor channel.
+- A job's outcome, value or exception, is kept in its future and raised where the trainer asks
+  for it (the step it belongs to), never on the thread.
+"""
+
+import atexit
+import collections
+import concurrent.futures
+import datetime
+import os
+import threading
+import weakref
+
+import torch.distributed as dist
+
+from .errors import Error
+
+class Prefetcher:
+    """One thread running submitted jobs in order. ``submit(fn)`` returns a Future."""
+
+    def __init__(self, name):
+        self._pid = os.getpid()
+        self._jobs = collections.deque()
+        self._ready = threading.Condition(threading.Lock())
+        self._stopping = False
+        self._thread = threading.Thread(target=_run, args=(self._jobs, self._ready, lambda: self._stopping),
+                                        name=name, daemon=True)
+        self._thread.start()
+
+    def usable(self):
+        return os.getpid() == self._pid and self._thread.is_alive()
+
+    def submit(self, fn):
+        future = concurrent.futures.Future()
+        with self._ready:
+            self._jobs.append((fn, future))
+            self._ready.notify()
+        return future
+
+    def stop(self, wait):
+        """Ends the thread once the jobs submitted so far have run; waits at most ``wait``
+        seconds for that (a job blocked in a receive from a leader that never sends is left to
+        its timeout: the thread is a daemon, it does not hold the interpreter's exit)."""
+        if os.getpid() != self._pid:
+            return True  # a forked child: the thread and the channel are the parent's
+        with self._ready:
+            self._stopping = True
+            self._ready.notify()
+        self._thread.join(wait)
+        return not self._thread.is_alive()
+
+
+def _run(jobs, ready, stopping):
+    while True:
+        with ready:
+            while not jobs and not stopping():
+                ready.wait()
+            if not jobs:
+                return
+            fn, future = jobs.popleft()
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - raised where the trainer takes the step
+            future.set_exception(e)
+        del fn, future  # nothing of a job outlives it here (the loader, its channel, a batch)
+
+
+def channel(group, timeout_seconds):
+    """A Gloo group over ``group``'s ranks for the prefetch's broadcasts, made by every rank of
+    ``group`` (and only them: use_local_synchronization) at the same point. torch names such a
+    group by its ranks and the names of the groups alive on this rank, so every rank of the group
+    must have made and destroyed the same groups before: a channel is destroyed only by close(),
+    which the SP ranks call at the same point, never when a loader is collected."""
+    ranks = dist.get_process_group_ranks(group)
+    try:
+        return dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
+                              timeout=datetime.timedelta(seconds=timeout_seconds))
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise Error(f"spbcast: rank {dist.get_rank()}: cannot make the prefetch's own Gloo group "
+                    f"over the SP ranks {ranks}: {e}; pass prefetch=0", "invalid_argument") from e
+
+
+def destroy_channel(group):
+    try:
+        dist.destroy_process_group(group)
+    except (RuntimeError, ValueError, AssertionError, KeyError):
+        pass  # the default group (and every subgroup with it) was destroyed first
+
+
+def close_at_exit(loader):
+    """Closes ``loader`` (a LeaderLoader with a prefetch) at interpreter exit if it is still open:
+    its leader ends the followers' threads, whose close waits for that."""
+    _OPEN_LOADERS.add(loader)
+
+
+_OPEN_LOADERS = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_loaders():
+    for loader in list(_OPEN_LOADERS):
+        try:
+            loader.close()
+        except Exception:  # noqa: BLE001 - at exit, a peer gone already is no error
+            pass
