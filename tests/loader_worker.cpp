@@ -7,7 +7,8 @@
 // Prints "step S epoch E digest D" per step and "rng R" (a checksum of the default CPU
 // generator's state) at the end. With save_at_step, it saves the leader's loader state and
 // this rank's generator state into state_dir after that step and exits, like a job stopped
-// at a checkpoint; with resume 1 it restores both and continues. "faulty" runs a loader that
+// at a checkpoint; with resume 1 it restores both and continues. SPBCAST_LOADER_PREFETCH sets
+// loader_config::prefetch (default: on). "faulty" runs a loader that
 // fails on two steps under a trainer that skips them, printing "call ..." after every call.
 #include "support/media_loader.hpp"
 #include "support/set_up.hpp"
@@ -171,8 +172,10 @@ int main(int argc, char** argv) {
         // with the default generator, so there the SP ranks of a replica must start equal (as
         // they must in BASE, or they would load different batches); so for the faulty loader.
         at::manual_seed(kind == "torchdata" || kind == "faulty" ? 1000 + layout.dp_rank : 1000 + env.rank);
-        const spbcast::loader_config cfg{.sp_media_dedup = dedup, .total_step = total_step,
-                                         .timeout = std::chrono::seconds(60)};
+        spbcast::loader_config cfg{.sp_media_dedup = dedup, .total_step = total_step,
+                                   .timeout = std::chrono::seconds(60)};
+        // The prefetch depth (on by default); the tests compare it with 0, the synchronous loop.
+        if (const char* depth = std::getenv("SPBCAST_LOADER_PREFETCH")) cfg.prefetch = std::stoul(depth);
         if (resume) set_generator_state(read_file(dir + "/rank" + std::to_string(env.rank) + ".rng"));
         if (kind == "faulty") {
             auto loader = spbcast::make_leader_loader(cfg, layout.sp_group, 1, [] { return std::make_unique<faulty_loader>(); });

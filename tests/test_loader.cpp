@@ -92,7 +92,8 @@ struct run_record {
     int loaders_built = 0;
 };
 
-run_record run_layout(int world, int sp, bool dedup, int workers, bool persistent, int64_t total_epoch) {
+run_record run_layout(int world, int sp, bool dedup, int workers, bool persistent, int64_t total_epoch,
+                      std::size_t prefetch = 1) {
     run_record record;
     record.digests.resize(world);
     record.epochs.resize(world);
@@ -101,13 +102,14 @@ run_record run_layout(int world, int sp, bool dedup, int workers, bool persisten
     const auto errors = spbcast_test::run_threads(world, [&](int rank) {
         auto layout = spbcast::dist::make_sp_layout(store, rank, world, sp, std::chrono::seconds(30));
         wait_for_set_up(*store, rank, world, std::chrono::seconds(30));
-        spbcast::loader_config cfg{.sp_media_dedup = dedup, .total_epoch = total_epoch};
+        spbcast::loader_config cfg{.sp_media_dedup = dedup, .total_epoch = total_epoch, .prefetch = prefetch};
         auto loader = spbcast::make_leader_loader(cfg, layout.sp_group, 1, [&] {
             ++built;
             return std::make_unique<demo::MediaLoader>(
                 small_pipeline(workers, persistent, layout.dp_rank, layout.dp_size));
         });
         CHECK(loader.dedup() == (dedup && sp > 1));
+        CHECK(loader.prefetch_depth() == (dedup && sp > 1 ? prefetch : 0));
         while (auto batch = loader.next()) {
             record.digests[rank].push_back(spbcast::digest(*batch));
             record.epochs[rank].push_back(loader.epoch());
@@ -146,6 +148,20 @@ TEST_CASE("DP2xSP2 and SP4: every SP rank gets BASE's batches and epochs, and on
             CHECK(dedup.digests[rank] == dedup.digests[leader]);
         }
         CHECK(dedup.epochs[0].back() == 1);  // two epochs were crossed
+    }
+}
+
+TEST_CASE("DP2xSP2: prefetching 0, 1 (the default) or 2 batches ahead gives the same batches and epochs") {
+    const run_record synchronous = run_layout(4, 2, true, 2, true, 2, 0);
+    const run_record ahead = run_layout(4, 2, true, 2, true, 2, 1);
+    const run_record further = run_layout(4, 2, true, 2, true, 2, 2);
+    for (int rank = 0; rank < 4; ++rank) {
+        CAPTURE(rank);
+        CHECK(!synchronous.digests[rank].empty());
+        CHECK(ahead.digests[rank] == synchronous.digests[rank]);
+        CHECK(further.digests[rank] == synchronous.digests[rank]);
+        CHECK(ahead.epochs[rank] == synchronous.epochs[rank]);
+        CHECK(further.epochs[rank] == synchronous.epochs[rank]);
     }
 }
 
@@ -418,19 +434,24 @@ TEST_CASE("a leader that hangs outside the loader fails its followers after the 
         std::chrono::milliseconds group_timeout, timeout, root_wait;
         const char* expect;
         std::chrono::milliseconds waits;  // what the followers should wait
+        std::size_t prefetch = 0;
     };
     // With LibTorch 1.13's Gloo a root_wait shorter than the group's timeout ends in spbcast's
     // own wait, 2 s later (collective.hpp's grace); hence the upper bound.
+    // With prefetch the follower's thread waits for the step after the one it prefetched, from
+    // the call that took that one.
     for (const Case c : {Case{3s, 1s, 0ms, "within 3000 ms (the SP group's own timeout)", 3s},
-                         Case{4s, 500ms, 1s, "within 1000 ms (loader_config::root_wait)", 1s}}) {
+                         Case{4s, 500ms, 1s, "within 1000 ms (loader_config::root_wait)", 1s},
+                         Case{3s, 1s, 0ms, "within 3000 ms (the SP group's own timeout)", 3s, 1}}) {
         CAPTURE(c.expect);
+        CAPTURE(c.prefetch);
         std::atomic<int> gave_up{0};
         std::vector<double> waited(3, 0);
         const auto errors = run_ranks_collect(3, [&](int rank, auto& group) {
             auto sp = c10::intrusive_ptr<c10d::ProcessGroupGloo>::reclaim_copy(&group);
             auto loader = spbcast::make_leader_loader(
                 spbcast::loader_config{.sp_media_dedup = true, .total_step = 10, .timeout = c.timeout,
-                                       .root_wait = c.root_wait},
+                                       .root_wait = c.root_wait, .prefetch = c.prefetch},
                 sp, 1, [] { return std::make_unique<counting_loader>(); });
             REQUIRE(loader.next());
             if (rank == 0) {  // hung outside the loader; back only once the followers gave up
@@ -438,8 +459,12 @@ TEST_CASE("a leader that hangs outside the loader fails its followers after the 
                 while (gave_up < 2 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(10ms);
                 return;
             }
-            const auto start = std::chrono::steady_clock::now();
+            auto start = std::chrono::steady_clock::now();
             try {
+                if (c.prefetch > 0) {
+                    start = std::chrono::steady_clock::now();  // taking step 2 makes room for step 3
+                    REQUIRE(loader.next());  // step 2, prefetched while the leader's trainer ran step 1
+                }
                 loader.next();
             } catch (...) {
                 waited[rank] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -484,4 +509,172 @@ TEST_CASE("GLOO_SOCKET_IFNAME may name several interfaces, as in PyTorch") {
     });
     ::unsetenv("GLOO_SOCKET_IFNAME");
     for (const auto& e : errors) CHECK_MESSAGE(!e, message_of(e));
+}
+
+namespace {
+
+// Epochs of 4 batches: at(2) filled with 1, 2, 3, ... each after `delay`; its own state is the
+// count produced, so a resumed pass goes on from there to the end of its epoch.
+struct stateful_loader {
+    static constexpr spbcast::rng_draws rng_draws = spbcast::rng_draws::none;
+    std::chrono::milliseconds delay{0};
+    int64_t produced = 0;
+    int64_t size() const { return 4; }
+    std::string save_state() const { return std::to_string(produced); }
+    void load_state(std::string_view state) { produced = std::stoll(std::string(state)); }
+    struct pass_t {
+        stateful_loader* self;
+        int64_t end;
+        std::optional<at::Tensor> next() {
+            if (self->produced == end) return std::nullopt;
+            std::this_thread::sleep_for(self->delay);
+            return at::full({2}, ++self->produced, at::kLong);
+        }
+    };
+    pass_t begin() { return {this, (produced / 4 + 1) * 4}; }
+};
+
+template <class GroupArg>
+auto make_stateful(spbcast::loader_config cfg, GroupArg group, std::chrono::milliseconds delay) {
+    return spbcast::make_leader_loader(cfg, group, 1, [delay] {
+        return std::make_unique<stateful_loader>(stateful_loader{delay});
+    });
+}
+
+}  // namespace
+
+TEST_CASE("prefetching over a channel of the user's: a trainer that all-reduces over the same SP group every step keeps working, and stats() says what happened") {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    std::vector<std::vector<int64_t>> seen(3);
+    std::vector<spbcast::loader_stats> stats(3);
+    const auto errors = spbcast_test::run_threads(3, [&](int rank) {
+        auto sp = spbcast::dist::make_gloo_group(c10::make_intrusive<c10d::PrefixStore>("sp", store), rank, 3, 20s,
+                                                 "127.0.0.1");
+        // docs/loader.md's recipe: a second Gloo group over the same ranks, under a prefix of its own.
+        auto channel = spbcast::dist::make_gloo_group(c10::make_intrusive<c10d::PrefixStore>("sp-prefetch", store),
+                                                      rank, 3, 20s, "127.0.0.1");
+        wait_for_set_up(*store, rank, 3, 20s);
+        auto loader = make_stateful({.sp_media_dedup = true, .total_step = 8, .prefetch_channel = channel}, sp, 5ms);
+        CHECK(loader.prefetch_depth() == 1);
+        while (auto batch = loader.next()) {
+            const int64_t value = (*batch)[0].item<int64_t>();
+            seen[rank].push_back(value);
+            // The step: the leader's thread fetches and sends the next batch meanwhile, over the
+            // channel, while every rank all-reduces over the SP group itself.
+            std::this_thread::sleep_for(50ms);
+            std::vector<at::Tensor> tensors{at::full({4}, rank + value, at::kLong)};
+            sp->allreduce(tensors)->wait();
+            CHECK(tensors[0][3].item<int64_t>() == 3 * value + 3);
+        }
+        stats[rank] = loader.stats();
+        sp->barrier()->wait();
+    });
+    for (int rank = 0; rank < 3; ++rank) {
+        CAPTURE(rank);
+        CHECK_MESSAGE(!errors[rank], message_of(errors[rank]));
+        CHECK(seen[rank] == std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7, 8});
+        const auto& s = stats[rank];
+        CHECK(s.steps == 8);
+        CHECK(s.bytes == 8 * 16);
+        CHECK(s.prefetch == 1);
+        CHECK(s.why_no_prefetch.empty());
+        CHECK((s.path == "same_host" || s.path == "network"));
+        CHECK(s.prefetch_hits >= 1);  // 7 steps could be; a busy machine may miss some
+        CHECK(s.prefetch_hits <= 7);  // the first step and each new epoch's first are synchronous
+        CHECK(s.broadcast_seconds > 0);
+        CHECK(s.wait_seconds > 0);
+        if (rank == 0) CHECK(s.loader_seconds >= 0.04);  // 8 fetches of 5 ms
+        else CHECK(s.leader_loader_seconds >= 0.04);
+    }
+    // A transport of the user's has no store to lend a channel from: synchronous, and it says why.
+    run_ranks(2, [](int, auto& group) {
+        counting_group counted{group};
+        auto loader = make_stateful({.sp_media_dedup = true, .total_step = 3}, &counted, 0ms);
+        CHECK(loader.prefetch_depth() == 0);
+        CHECK(loader.why_no_prefetch().find("not a Gloo group") != std::string::npos);
+        int steps = 0;
+        while (loader.next()) ++steps;
+        CHECK(steps == 3);
+        CHECK(loader.stats().prefetch == 0);
+        CHECK(loader.stats().prefetch_hits == 0);
+    });
+}
+
+TEST_CASE("prefetching: a state saved after step t resumes at t+1 although t+1 was fetched; load_state mid-run drops it on every rank") {
+    std::vector<std::vector<int64_t>> continuous(3), resumed(3), rewound(3);
+    std::string leader_state;
+    run_ranks(3, [&](int rank, auto& group) {
+        auto sp = c10::intrusive_ptr<c10d::ProcessGroupGloo>::reclaim_copy(&group);
+        const spbcast::loader_config cfg{.sp_media_dedup = true, .total_step = 10};
+        auto record = [](auto& loader, std::vector<int64_t>& into) {
+            while (auto batch = loader.next()) into.push_back((*batch)[0].template item<int64_t>() * 100 + loader.epoch());
+        };
+        std::string state;
+        {
+            auto loader = make_stateful(cfg, sp, 2ms);
+            while (auto batch = loader.next()) {
+                continuous[rank].push_back((*batch)[0].template item<int64_t>() * 100 + loader.epoch());
+                if (loader.step() == 3) {
+                    std::this_thread::sleep_for(100ms);  // step 4 is fetched by now
+                    state = loader.save_state();
+                }
+            }
+        }
+        if (rank == 0) leader_state = state;
+        {
+            auto loader = make_stateful(cfg, sp, 2ms);  // a new job, resumed (followers: nothing)
+            loader.load_state(state);
+            record(loader, resumed[rank]);
+        }
+        {
+            auto loader = make_stateful(cfg, sp, 2ms);
+            for (int step = 0; step < 6; ++step) REQUIRE(loader.next());
+            std::this_thread::sleep_for(100ms);  // step 7 is fetched and sent by now
+            loader.load_state(state);            // every rank, mid-run: back to step 3
+            CHECK(loader.step() == (rank == 0 ? 3 : 6));  // followers learn it from the next step
+            record(loader, rewound[rank]);
+        }
+    });
+    // The consumed position and the loader's own state before step 4's fetch.
+    CHECK(leader_state == "spbcast.leader_loader v1 epoch=0 step=3 in_epoch=3\n3");
+    for (int rank = 0; rank < 3; ++rank) {
+        CAPTURE(rank);
+        REQUIRE(continuous[rank].size() == 10);
+        CHECK(continuous[rank] == continuous[0]);
+        const std::vector<int64_t> tail(continuous[rank].begin() + 3, continuous[rank].end());
+        CHECK(resumed[rank] == tail);
+        CHECK(rewound[rank] == tail);
+    }
+    CHECK(continuous[0][4] == 501);  // the second epoch starts at its 5th batch
+}
+
+TEST_CASE("prefetching: destroying the loader mid-epoch joins its thread at once; a follower that goes on alone is told the leader stopped") {
+    const auto start = std::chrono::steady_clock::now();
+    run_ranks(3, [](int, auto& group) {
+        auto sp = c10::intrusive_ptr<c10d::ProcessGroupGloo>::reclaim_copy(&group);
+        auto loader = make_stateful({.sp_media_dedup = true, .total_step = 100}, sp, 10ms);
+        for (int step = 0; step < 3; ++step) REQUIRE(loader.next());
+    });  // every rank leaves its loop with step 4 in flight
+    // A follower that waited for a leader that never sends would wait root_wait: 5 minutes here.
+    CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < 60);
+
+    const auto errors = run_ranks_collect(3, [](int rank, auto& group) {
+        auto sp = c10::intrusive_ptr<c10d::ProcessGroupGloo>::reclaim_copy(&group);
+        {
+            auto loader = make_stateful({.sp_media_dedup = true, .total_step = 100}, sp, 10ms);
+            REQUIRE(loader.next());
+            REQUIRE(loader.next());
+            if (rank != 0)
+                for (int step = 0; step < 3; ++step) loader.next();  // at most the one prefetched, then the error
+        }  // the leader's trainer leaves here (as one that raised would)
+        if (rank != 0) FAIL("a follower went on although the leader's loader was destroyed");
+    });
+    CHECK_MESSAGE(!errors[0], message_of(errors[0]));
+    for (int rank = 1; rank < 3; ++rank) {
+        CAPTURE(rank);
+        REQUIRE(errors[rank]);
+        CHECK_MESSAGE(message_of(errors[rank]).find("spbcast: SP rank " + std::to_string(rank) +
+                                                    " (leader_loader): the SP leader's leader_loader was destroyed") == 0,
+                      message_of(errors[rank]));
+    }
 }

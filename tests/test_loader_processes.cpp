@@ -1,5 +1,6 @@
 // Leader-only loading in separate processes, where each rank owns its default CPU generator:
-// RNG parity with BASE to the bit, and a restart that resumes exactly where it stopped.
+// RNG parity with BASE to the bit, and a restart that resumes exactly where it stopped - with
+// the prefetch on (the default), which has fetched the step after the checkpoint already.
 #include "support/processes.hpp"
 
 #include <doctest/doctest.h>
@@ -19,11 +20,12 @@ struct rank_log {
 };
 
 std::vector<rank_log> run_job(const std::string& mode, int sp, const std::string& loader, int total_step,
-                              int save_at = 0, const std::string& dir = "/tmp", bool resume = false) {
+                              int save_at = 0, const std::string& dir = "/tmp", bool resume = false,
+                              int prefetch = 1) {
     const auto results = run_processes(binary_dir() / "spbcast_loader_worker", 4, [&](int) {
         return std::vector<std::string>{mode, std::to_string(sp), loader, std::to_string(total_step),
                                         std::to_string(save_at), dir, resume ? "1" : "0"};
-    }, std::chrono::seconds(180));
+    }, std::chrono::seconds(180), {"SPBCAST_LOADER_PREFETCH=" + std::to_string(prefetch)});
     std::vector<rank_log> logs(4);
     for (int r = 0; r < 4; ++r) {
         REQUIRE_MESSAGE(results[r].exit_code == 0, describe(results));
@@ -59,11 +61,13 @@ TEST_CASE("RNG parity: each follower's default generator ends bit-identical to B
         }
 }
 
-TEST_CASE("a trainer that skips a failed fetch and a refused batch has BASE's generator and counters on every rank after every step") {
+TEST_CASE("a trainer that skips a failed fetch and a refused batch has BASE's generator and counters on every rank after every step, prefetching or not") {
     // DP2 x SP2, a randperm at every begin(): the fetch that throws (no step) and the batch
     // spbcast cannot send (a step) both come first in a pass, so their steps carry RNG events.
+    // Prefetch on (the default) and off give the same calls, generators included, bit for bit.
     const auto base = run_job("base", 2, "faulty", 14);
     const auto dedup = run_job("dedup", 2, "faulty", 14);
+    const auto synchronous = run_job("dedup", 2, "faulty", 14, 0, "/tmp", false, /*prefetch=*/0);
     for (int r = 0; r < 4; ++r) {
         CAPTURE(r);
         REQUIRE(base[r].calls.size() == 16);  // 14 steps, the fetch that threw, the end
@@ -73,6 +77,7 @@ TEST_CASE("a trainer that skips a failed fetch and a refused batch has BASE's ge
         for (std::size_t i = 0; i < base[r].calls.size(); ++i) {
             CAPTURE(i);
             CHECK(dedup[r].calls.at(i) == base[r].calls[i]);
+            CHECK(synchronous[r].calls.at(i) == base[r].calls[i]);
         }
     }
 }

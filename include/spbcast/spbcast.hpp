@@ -6,5 +6,6 @@
 #include "core.hpp"
 #include "dist.hpp"
 #include "loader.hpp"
+#include "prefetch_channel.hpp"
 #include "rng_mirror.hpp"
 #include "torch_data.hpp"
