@@ -678,3 +678,59 @@ TEST_CASE("prefetching: destroying the loader mid-epoch joins its thread at once
                       message_of(errors[rank]));
     }
 }
+
+namespace {
+
+// Fetch 3 yields a sparse tensor (spbcast refuses to send it), fetch 5 throws.
+struct ahead_loader {
+    static constexpr spbcast::rng_draws rng_draws = spbcast::rng_draws::none;
+    int produced = 0;
+    struct pass_t {
+        ahead_loader* self;
+        std::optional<at::Tensor> next() {
+            ++self->produced;
+            if (self->produced == 3) return at::arange(4).to_sparse();
+            if (self->produced == 5) throw std::runtime_error("decoder crashed on sample 5");
+            return at::full({2}, self->produced, at::kLong);
+        }
+    };
+    pass_t begin() { return {this}; }
+};
+
+}  // namespace
+
+TEST_CASE("prefetching: a refused batch and a failed fetch fetched ahead surface at their own step on every rank, as without prefetch") {
+    // Fetch 3 yields a sparse tensor (refused), fetch 5 throws; both happen on the leader's thread
+    // while the trainer runs the step before.
+    std::map<std::size_t, std::vector<std::vector<std::string>>> calls;
+    for (std::size_t prefetch : {0, 1}) {
+        calls[prefetch].resize(3);
+        run_ranks(3, [&](int rank, auto& group) {
+            auto sp = c10::intrusive_ptr<c10d::ProcessGroupGloo>::reclaim_copy(&group);
+            auto loader = spbcast::make_leader_loader(
+                spbcast::loader_config{.sp_media_dedup = true, .total_step = 6, .prefetch = prefetch}, sp, 1,
+                [] { return std::make_unique<ahead_loader>(); });
+            for (bool more = true; more;) {
+                std::string outcome;
+                try {
+                    auto batch = loader.next();
+                    more = batch.has_value();
+                    outcome = batch ? std::to_string((*batch)[0].template item<int64_t>()) : "end";
+                } catch (const spbcast::error& e) {
+                    const std::string what = e.what();
+                    outcome = what.substr(what.find("failed"), what.find(':', what.find("failed")) - what.find("failed"));
+                }
+                calls[prefetch][rank].push_back("step " + std::to_string(loader.step()) + ": " + outcome);
+                std::this_thread::sleep_for(20ms);  // the step, while the next fetch runs ahead
+            }
+        });
+    }
+    const std::vector<std::string> expected{"step 1: 1", "step 2: 2", "step 3: failed sending step 3",
+                                            "step 4: 4", "step 4: failed fetching step 5", "step 5: 6",
+                                            "step 6: 7", "step 6: end"};
+    for (int rank = 0; rank < 3; ++rank) {
+        CAPTURE(rank);
+        CHECK(calls[1][rank] == expected);
+        CHECK(calls[0][rank] == expected);
+    }
+}
