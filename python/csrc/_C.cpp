@@ -23,6 +23,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -265,6 +266,32 @@ struct wire_value {
     c10::IValue value;
 };
 
+// Releases the GIL around a blocking call, as py::gil_scoped_release. A thread that comes back
+// while the interpreter is finalizing - a daemon thread left in a receive at exit (a
+// LeaderLoader's prefetch thread whose leader never sent again) - must not take the GIL back:
+// Python would end it with pthread_exit, whose forced unwinding through this frame (noexcept
+// destructors) aborts the process. It waits there for the process to exit instead.
+class gil_released_while_blocked {
+public:
+    gil_released_while_blocked() : state_(PyEval_SaveThread()) {}
+    ~gil_released_while_blocked() {
+        while (interpreter_finalizing()) std::this_thread::sleep_for(std::chrono::hours(1));
+        PyEval_RestoreThread(state_);
+    }
+    gil_released_while_blocked(const gil_released_while_blocked&) = delete;
+    gil_released_while_blocked& operator=(const gil_released_while_blocked&) = delete;
+
+private:
+    static bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+        return Py_IsFinalizing();
+#else
+        return _Py_IsFinalizing();
+#endif
+    }
+    PyThreadState* state_;
+};
+
 // root: the group rank of the sender; value: the root's wire_value (None on the other ranks).
 // Returns the root's value on followers, None on the root.
 py::object broadcast(py::handle group, const std::string& group_name, const wire_value* value,
@@ -278,7 +305,7 @@ py::object broadcast(py::handle group, const std::string& group_name, const wire
         throw py::value_error("spbcast: the root must pass its converted value");
     c10::IValue iv = is_root ? value->value : c10::IValue();
     try {
-        py::gil_scoped_release no_gil;  // bytes move without the GIL
+        gil_released_while_blocked no_gil;  // bytes move without the GIL
         spbcast::broadcast(iv, pg, opts);
     } catch (const spbcast::error& e) {
         raise_python(e);

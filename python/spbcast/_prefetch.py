@@ -80,25 +80,45 @@ def _run(jobs, ready, stopping):
 
 
 def channel(group, timeout_seconds):
-    """A Gloo group over ``group``'s ranks for the prefetch's broadcasts, made by every rank of
-    ``group`` (and only them: use_local_synchronization) at the same point. torch names such a
-    group by its ranks and the names of the groups alive on this rank, so every rank of the group
-    must have made and destroyed the same groups before: a channel is destroyed only by close(),
-    which the SP ranks call at the same point, never when a loader is collected."""
-    ranks = dist.get_process_group_ranks(group)
+    """A Gloo group over ``group``'s ranks for the prefetch's broadcasts, made (or reused) by every
+    rank of ``group`` at the same point.
+
+    torch names a group made with use_local_synchronization (only its ranks take part) by its
+    ranks and the number of groups alive on this rank, and its ranks meet under that name in the
+    default store: a name made again - a group destroyed, another made - would meet the keys the
+    first one left there, and hang. So a channel is never destroyed: close() puts it here, and
+    the next LeaderLoader on the same ranks takes it again. The SP ranks close and make their
+    loaders at the same points, so they agree on which one; a loader collected without close()
+    keeps its channel to itself (its ranks may not collect it at the same point)."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    free = _IDLE_CHANNELS.get(ranks, [])
+    while free:
+        idle = free.pop()
+        if _alive(idle):
+            return idle
     try:
-        return dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
+        return dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True,
                               timeout=datetime.timedelta(seconds=timeout_seconds))
     except (RuntimeError, ValueError, TypeError) as e:
         raise Error(f"spbcast: rank {dist.get_rank()}: cannot make the prefetch's own Gloo group "
-                    f"over the SP ranks {ranks}: {e}; pass prefetch=0", "invalid_argument") from e
+                    f"over the SP ranks {list(ranks)}: {e}; pass prefetch=0", "invalid_argument") from e
 
 
-def destroy_channel(group):
+def release(idle):
+    """A channel no job uses any more, on every rank of it (close())."""
+    if _alive(idle):
+        _IDLE_CHANNELS.setdefault(tuple(dist.get_process_group_ranks(idle)), []).append(idle)
+
+
+def _alive(group):
+    # destroy_process_group() (every group) unregisters it: a later one is made anew.
     try:
-        dist.destroy_process_group(group)
-    except (RuntimeError, ValueError, AssertionError, KeyError):
-        pass  # the default group (and every subgroup with it) was destroyed first
+        return dist.is_initialized() and dist.get_rank(group) >= 0
+    except (RuntimeError, ValueError, KeyError):
+        return False
+
+
+_IDLE_CHANNELS = {}  # ranks -> channels of closed LeaderLoaders, taken again in order
 
 
 def close_at_exit(loader):

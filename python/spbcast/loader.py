@@ -26,6 +26,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import os
 import queue
 import time
 import warnings
@@ -398,6 +399,7 @@ class LeaderLoader:
         self._following = None  # a follower: the job receiving envelopes, while it runs
         self._received = queue.Queue()
         self._discarding = False  # a follower: skip prefetched envelopes until a synchronous one
+        self._pid = os.getpid()
 
         if sp_media_dedup and not dist.is_initialized():
             raise Error(where + "sp_media_dedup needs torch.distributed to be initialized",
@@ -517,6 +519,8 @@ class LeaderLoader:
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:
+            return  # a forked child (a DataLoader worker): the workers and thread are the parent's
         self._close_prefetch()
         # torch-internal, named here only: a DataLoader iterator's _shutdown_workers() and the
         # DataLoader's _iterator (its persistent workers' iterator). Where a torch has neither,
@@ -954,7 +958,7 @@ class LeaderLoader:
         except Exception:  # noqa: BLE001 - closing: a peer gone already is no error of close's
             pass
         if self._prefetcher.stop(wait):
-            _prefetch.destroy_channel(self._channel)
+            _prefetch.release(self._channel)
 
     def stats(self):
         """What the loop's broadcasts did on this rank, so far: ``path`` - how batches travel
