@@ -87,6 +87,8 @@ def test_dedup_trains_like_base(runs):
         assert base[0]["total_step"] == 2 * base[0]["loader_len"] > 2, "two epochs of several steps"
         same_run(base, dedup, f"{workers} workers: BASE against dedup")
         only_leaders_iterate(dedup, f"dedup, {workers} workers")
+        # On by default under the switch: every step's batch but a pass's first was prefetched.
+        assert [r["prefetch"] for r in dedup] == [1] * len(dedup), [r["prefetch"] for r in dedup]
         assert all(r["iterators"] > 0 for r in base), "BASE: every rank iterates"
     same_run(runs["base0"], runs["hand_wired0"], "BASE against dedup wired by hand")
 

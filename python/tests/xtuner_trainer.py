@@ -226,6 +226,8 @@ def _train(arm, root, tokenizer_dir, data, rank):
         trainer.fit()
         record["params"] = {name: snapshot(p) for name, p in engine.model.named_parameters()}
         record["loader_len"] = len(trainer._dataloader)
+        stats = getattr(trainer._dataloader, "stats", None)
+        record["prefetch"] = stats()["prefetch"] if callable(stats) else None
     finally:
         torch.utils.data.DataLoader.__iter__ = original_iter
     return record
