@@ -467,15 +467,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     // The pool's controls (include/spbcast/shared_memory.hpp); the GIL is released, as they may
     // free segments or close sockets.
     m.def("set_shared_memory_limits", [](std::optional<std::size_t> free_bytes, std::optional<std::size_t> free_segments,
-                                         std::optional<std::size_t> segments) {
+                                         std::optional<std::size_t> segments, std::optional<std::size_t> free_batches) {
               auto limits = spbcast::shared_memory_limits_in_use();
               limits.free_bytes = free_bytes.value_or(limits.free_bytes);
               limits.free_segments = free_segments.value_or(limits.free_segments);
               limits.segments = segments.value_or(limits.segments);
-              spbcast::set_shared_memory_limits(limits);
-              return py::make_tuple(limits.free_bytes, limits.free_segments, limits.segments);
+              limits.free_batches = free_batches.value_or(limits.free_batches);
+              {
+                  py::gil_scoped_release no_gil;
+                  spbcast::set_shared_memory_limits(limits);
+              }
+              return py::make_tuple(limits.free_bytes, limits.free_segments, limits.segments, limits.free_batches);
           },
-          py::arg("free_bytes"), py::arg("free_segments"), py::arg("segments"));
+          py::arg("free_bytes"), py::arg("free_segments"), py::arg("segments"), py::arg("free_batches"));
+    m.def("set_receive_cache_limits", [](std::optional<std::size_t> bytes, std::optional<std::size_t> batches) {
+              auto limits = spbcast::receive_cache_limits_in_use();
+              limits.bytes = bytes.value_or(limits.bytes);
+              limits.batches = batches.value_or(limits.batches);
+              {
+                  py::gil_scoped_release no_gil;
+                  spbcast::set_receive_cache_limits(limits);
+              }
+              return py::make_tuple(limits.bytes, limits.batches);
+          },
+          py::arg("bytes"), py::arg("batches"));
     m.def("set_shared_memory_limit", [](std::size_t bytes) { spbcast::set_shared_memory_limit(bytes); },
           py::arg("bytes"), py::call_guard<py::gil_scoped_release>());
     m.def("release_shared_memory", [] { spbcast::release_shared_memory(); },
@@ -495,6 +510,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         out["tensors_shared"] = s.tensors_shared;
         out["segments"] = s.segments;
         out["segments_forgotten"] = s.segments_forgotten;
+        out["largest_batch_bytes"] = s.largest_batch_bytes;
         return out;
     });
     m.def("receive_cache_statistics", [] {
@@ -504,6 +520,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         out["cached_bytes"] = s.cached_bytes;
         out["blocks_reused"] = s.blocks_reused;
         out["blocks_allocated"] = s.blocks_allocated;
+        out["largest_batch_bytes"] = s.largest_batch_bytes;
         return out;
     });
 }

@@ -13,15 +13,16 @@ from importlib.metadata import version as _version
 
 from ._broadcast import broadcast
 from ._C import receive_cache_statistics, set_receive_cache_limit
-from ._shared_memory import (close_same_host_channels, release_shared_memory, set_shared_memory_limit,
-                             set_shared_memory_limits, shared_memory, shared_memory_statistics)
+from ._shared_memory import (close_same_host_channels, release_shared_memory, set_receive_cache_limits,
+                             set_shared_memory_limit, set_shared_memory_limits, shared_memory,
+                             shared_memory_statistics)
 from ._wire import allow_classes, allow_modules
 from .errors import Error, LoaderError, RemoteError, ResumeWarning, SchemaError, TransportError
 from .loader import LeaderLoader
 
 __all__ = ["broadcast", "LeaderLoader", "allow_classes", "allow_modules", "Error", "LoaderError", "RemoteError", "ResumeWarning",
            "SchemaError", "TransportError",
-           "set_receive_cache_limit", "receive_cache_statistics", "shared_memory", "shared_memory_statistics",
+           "set_receive_cache_limit", "set_receive_cache_limits", "receive_cache_statistics", "shared_memory", "shared_memory_statistics",
            "set_shared_memory_limit", "set_shared_memory_limits", "release_shared_memory",
            "close_same_host_channels"]
 

@@ -78,17 +78,33 @@ def set_shared_memory_limit(bytes: int) -> None:  # noqa: A002 - the C++ name
     _C.set_shared_memory_limit(_bytes("set_shared_memory_limit", bytes))
 
 
-def set_shared_memory_limits(free_bytes=None, free_segments=None, segments=None) -> dict:
+def set_shared_memory_limits(free_bytes=None, free_segments=None, segments=None, free_batches=None) -> dict:
     """Sets the pool's bounds (docs/transports.md, "The same-host path", Bounds); None keeps a bound as it
-    is. free_bytes and free_segments bound the free segments kept for reuse (defaults 2 GiB and
-    16); segments bounds every segment the root tracks, each costing it a descriptor (default
-    256). Returns the bounds now in use."""
+    is. Free segments are kept for reuse up to max(free_bytes, free_batches x the largest batch
+    placed so far) and free_segments of them (defaults 2 GiB, 2 batches, 16); segments bounds
+    every segment the root tracks, each costing it a descriptor (default 256). free_bytes given
+    without free_batches is a fixed bound (free_batches 0), as in C++. Returns the bounds now in
+    use."""
     def optional(name, value):
         return None if value is None else _bytes("set_shared_memory_limits(" + name + ")", value)
 
+    if free_bytes is not None and free_batches is None:
+        free_batches = 0
     in_use = _C.set_shared_memory_limits(optional("free_bytes", free_bytes), optional("free_segments", free_segments),
-                                         optional("segments", segments))
-    return dict(zip(("free_bytes", "free_segments", "segments"), in_use))
+                                         optional("segments", segments), optional("free_batches", free_batches))
+    return dict(zip(("free_bytes", "free_segments", "segments", "free_batches"), in_use))
+
+
+def set_receive_cache_limits(bytes=None, batches=None) -> dict:  # noqa: A002 - the C++ name
+    """Sets the followers' receive cache budget: up to max(bytes, batches x the largest batch
+    received so far) kept between batches (defaults 2 GiB and 2 batches); None keeps a bound as
+    it is, and bytes given without batches is a fixed budget (batches 0). Returns the budget now
+    in use. (set_receive_cache_limit(bytes): fixed, 0 turns the cache off.)"""
+    if bytes is not None and batches is None:
+        batches = 0
+    in_use = _C.set_receive_cache_limits(None if bytes is None else _bytes("set_receive_cache_limits(bytes)", bytes),
+                                         None if batches is None else _bytes("set_receive_cache_limits(batches)", batches))
+    return dict(zip(("bytes", "batches"), in_use))
 
 
 def release_shared_memory() -> None:

@@ -42,11 +42,17 @@ def _pool_controls(rank, world):
     del t
     assert stats()["cached_bytes"] == 0, stats()
     spbcast.set_shared_memory_limit(2 << 30)
-    # The three bounds at once; None keeps one as it is.
+    # The bounds at once; None keeps one as it is; free_bytes alone is a fixed bound, as in C++.
     assert spbcast.set_shared_memory_limits(free_segments=4, segments=64) == {
-        "free_bytes": 2 << 30, "free_segments": 4, "segments": 64}
+        "free_bytes": 2 << 30, "free_segments": 4, "segments": 64, "free_batches": 0}
     assert spbcast.set_shared_memory_limits(free_segments=16, segments=256)["segments"] == 256
-    assert {"segments", "segments_forgotten"} <= stats().keys()
+    assert spbcast.set_shared_memory_limits(free_batches=2)["free_batches"] == 2
+    assert spbcast.set_shared_memory_limits(free_bytes=1 << 30)["free_batches"] == 0
+    spbcast.set_shared_memory_limits(free_bytes=2 << 30, free_batches=2)  # the default again
+    assert {"segments", "segments_forgotten", "largest_batch_bytes"} <= stats().keys()
+    assert spbcast.set_receive_cache_limits(bytes=1 << 30) == {"bytes": 1 << 30, "batches": 0}
+    assert spbcast.set_receive_cache_limits(bytes=2 << 30, batches=2) == {"bytes": 2 << 30, "batches": 2}
+    assert "largest_batch_bytes" in spbcast.receive_cache_statistics()
     # close_same_host_channels, called on every rank at the same point: the next broadcast runs
     # the handshake again and works on every rank; a batch received before stays intact.
     x = torch.arange(MIB)  # 8 MiB
