@@ -209,7 +209,12 @@ class _Steps:
     def __next__(self):
         if self._done:
             raise StopIteration
-        done, batch = self._loader._next()
+        try:
+            done, batch = self._loader._next()
+        except BaseException:
+            self._loader._mid_pass = True
+            raise
+        self._loader._mid_pass = not done
         if done:
             self._done = True
             self._loader._exhausted = not self._loader.per_pass
@@ -375,7 +380,9 @@ class LeaderLoader:
         self._pass_generators = None  # the generators' states when the current pass began
         self._fetches_in_pass = 0  # next() calls on the pass's iterator, those that raised included
         self._replay_from = None  # resuming: the saved pass's generators, to replay it from
-        self._resumed = False  # load_state_dict ran and no batch was fetched since
+        # A step of the pass was taken and its end was not: the same on every SP rank (followers
+        # hold no iterator), so a new iter() drops what was prefetched on all of them alike.
+        self._mid_pass = False
         self._end_of_epoch_pending = False  # resumed at an epoch's end through the loader's state
         self._finished = False
         self._exhausted = False  # the whole run was iterated (the loader drives the epochs)
@@ -489,7 +496,7 @@ class LeaderLoader:
         if self.per_pass:
             # One pass per iter(), as the loader's own: a new iter() starts a new pass, except
             # the first after load_state_dict, which continues where the state was taken.
-            if not self._resumed and (self._iter is not None or self._in_epoch > 0):
+            if self._mid_pass:
                 self._drop_prefetched()
                 self._iter, self._in_epoch, self._skip = None, 0, 0
             self._finished = False
@@ -612,6 +619,7 @@ class LeaderLoader:
         once; followers ignore the state they are given (None will do) and raise what the
         leader's load raised - a state the leader cannot load is an error on every SP rank, here,
         not at the first fetch."""
+        self._mid_pass = False  # the first iter() after it continues where the state was taken
         if not self.dedup:
             _warn_of_resume(self._load(state))
             return
@@ -653,7 +661,6 @@ class LeaderLoader:
         self._finished = self._exhausted = False
         self._pass_generators = state.get("pass_generators")
         self._fetches_in_pass = state.get("fetches_in_pass", self._in_epoch)
-        self._resumed = True
         self._end_of_epoch_pending = False
         self._skip = 0
         load = self._load_hook()
@@ -1105,7 +1112,6 @@ class LeaderLoader:
         if self._finished or (self.total_step is not None and self.step >= self.total_step):
             self._finished = True
             return _END
-        self._resumed = False
         empty_passes = 0
         while True:
             if self._iter is None and self._replay_from is not None:

@@ -126,7 +126,7 @@ def _hung_leader(rank, world):
         for _ in range(STEPS):
             next(it)
     waited = time.monotonic() - started
-    assert 2 < waited < 12, waited
+    assert 1 < waited < 12, waited
     ll.close()
 
 
@@ -199,3 +199,18 @@ def _synchronous_where_not_exact(rank, world):
 
 def test_depth_and_when_it_is_off():
     run(2, _synchronous_where_not_exact, timeout=120)
+
+
+def _new_pass_mid_pass(rank, world):
+    # A trainer that drives the passes and leaves one early: the next iter() starts a new pass
+    # on every rank, the batches prefetched for the old one dropped alike.
+    ll = spbcast.LeaderLoader(_loader(), None, sp_media_dedup=True, set_epoch=None)
+    first = iter(ll)
+    assert [next(first)["x"][0, 0].item() for _ in range(3)] == [0, 2, 4]
+    assert [b["x"][0, 0].item() for b in ll] == list(range(0, 16, 2))
+    assert [b["x"][0, 0].item() for b in ll] == list(range(0, 16, 2))
+    ll.close()
+
+
+def test_new_pass_while_batches_are_prefetched():
+    run(2, _new_pass_mid_pass, timeout=120)
