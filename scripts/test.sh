@@ -113,7 +113,7 @@ for i in "${!generations[@]}"; do
             # and bounds its waits generously), and CI has two cores for 36 minutes.
             wait_for_reference
             set -m
-            run_reference_suite > python-2.9.test.log 2>&1 &
+            run_reference_suite > build-python-2.9.test.log 2>&1 &
             reference_suite=$!
             set +m
         fi
@@ -121,11 +121,11 @@ for i in "${!generations[@]}"; do
         "$VENV/bin/python" -m pytest -q python/tests
     elif [ "$gen" = python-2.9 ]; then
         if [ -n "$reference_suite" ]; then
-            echo "=== spbcast: waiting for the Python package's tests on PyTorch 2.9.1 (python-2.9.test.log)"
+            echo "=== spbcast: waiting for the Python package's tests on PyTorch 2.9.1 (build-python-2.9.test.log)"
             status=0
             wait "$reference_suite" || status=$?
             reference_suite=""
-            cat python-2.9.test.log
+            cat build-python-2.9.test.log
             [ "$status" = 0 ] || exit "$status"
         else
             wait_for_reference
