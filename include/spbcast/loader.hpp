@@ -320,9 +320,10 @@ public:
     leader_loader& operator=(const leader_loader&) = delete;
 
     // Stops the prefetch thread and joins it. The leader's thread finishes the fetch in progress
-    // and, where the followers expect a prefetched envelope, sends a stop envelope; a follower's
-    // thread receives until that envelope (or any the leader sends that ends prefetching), each
-    // wait bounded by root_wait. When every SP rank destroys its loader - the loop ended, or a
+    // and, where the followers expect a prefetched envelope, sends a stop envelope (a broadcast:
+    // bounded by loader_config::timeout where followers stopped receiving); a follower's thread
+    // receives until that envelope (or any the leader sends that ends prefetching), each wait
+    // bounded by root_wait. When every SP rank destroys its loader - the loop ended, or a
     // trainer that raised everywhere - that is at once.
     ~leader_loader() {
         if (!thread_.joinable()) return;
@@ -555,8 +556,9 @@ private:
     //   next_prefetched. So a step is synchronous, over group_, exactly when on every rank
     //   nothing is prefetched and the thread is paused.
     // - mutex_ guards the hand-off only: neither thread holds it across a collective, a fetch or
-    //   a wait on the other ranks, so a fork (a loader's workers) finds it free, and a forked
-    //   child never takes it (it runs the loader's code, not ours).
+    //   a wait on the other ranks (only across the loader's save_state(), which must not fork),
+    //   so a fork (a loader's workers) finds it free, and a forked child never takes it (it runs
+    //   the loader's code, not ours).
     // - ahead_ is the thread's fetch position; the trainer's thread sets it only while paused.
 
     struct position {
