@@ -320,7 +320,10 @@ def summarize(setting, arms, cfg, records):
             "p90_step_s": sorted(step_times)[int(0.9 * (len(step_times) - 1))],
             "measured_steps": len(step_times),
             "follower_wait_ms_per_step": mean_of(followers, "wait_seconds", 1e3),
-            "follower_next_ms_median": statistics.median(
+            # next() as this loop timed it, every arm alike (stats() counts no wait in BASE)
+            "follower_next_ms_mean": 1e3 * statistics.mean(
+                s["next"] for r in followers for s in r["steps"][warm:]),
+            "follower_next_ms_median": 1e3 * statistics.median(
                 s["next"] for r in followers for s in r["steps"][warm:]),
             "follower_prefetch_hits": sum(r["stats"]["prefetch_hits"] - r["stats_before"]["prefetch_hits"]
                                           for r in followers),
@@ -373,16 +376,17 @@ def markdown(result):
              f"DataLoader with {cfg['workers']} persistent workers, a {cfg['step_seconds']} s step then "
              f"all-reduces; {cfg['rounds']} rounds x {cfg['steps']} measured steps per arm "
              f"({cfg['warmup']} warm-up steps per round not measured).", "",
-             "| setting | arm | path | prefetch | median step (s) | x BASE | followers: wait / step (ms) "
-             "| followers: prefetch hits | leader: wait / step (ms) | leader: loader / step (ms) | SP batches equal |",
+             "| setting | arm | path | prefetch | median step (s) | x BASE | followers: next() mean (ms) "
+             "| followers: stats wait / step (ms) | followers: prefetch hits | leader: stats wait / step (ms) "
+             "| SP batches equal |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         hits = (f"{row['follower_prefetch_hits']}/{row['follower_measured_steps']}" if row["dedup"] else "-")
         lines.append(
             f"| {row['setting']} | {row['arm']} | {row['path']} | {row['prefetch']} "
             f"| {row['median_step_s']:.3f} | {fmt(row['x_base'], '.3f')} "
-            f"| {fmt(row['follower_wait_ms_per_step'], '.1f')} | {hits} "
-            f"| {fmt(row['leader_wait_ms_per_step'], '.1f')} | {fmt(row['leader_loader_ms_per_step'], '.1f')} "
+            f"| {row['follower_next_ms_mean']:.1f} | {fmt(row['follower_wait_ms_per_step'], '.1f')} | {hits} "
+            f"| {fmt(row['leader_wait_ms_per_step'], '.1f')} "
             f"| {'yes' if row['batches_equal'] else 'NO'} |")
     if result.get("skipped"):
         lines += ["", "Not run: " + "; ".join(result["skipped"])]
@@ -412,9 +416,20 @@ def main():
     parser.add_argument("--transports", default="auto,network", help="comma-separated dedup transports")
     parser.add_argument("--rate", default="1gbit", help="the 2 hosts' link rate, for tc (default 1gbit)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per setting before giving up")
+    parser.add_argument("--render", metavar="JSON",
+                        help="print the table again from a run's JSON (its records), running nothing")
     parser.add_argument("--out", default=os.path.join(here, "results", "step_overhead"),
                         help="directory for the JSON and markdown (default bench/results/step_overhead)")
     args = parser.parse_args()
+    if args.render:
+        with open(args.render) as f:
+            result = json.load(f)
+        result["rows"] = []
+        for setting in result["settings"]:
+            result["rows"] += summarize(setting, result["arms"], result["config"],
+                                        result["records"][setting["name"]])
+        print(markdown(result))
+        return 0
     q = args.quick
     cfg = {"step_seconds": args.step_seconds if args.step_seconds is not None else (0.2 if q else 1.0),
            "batch_bytes": int((args.batch_mib if args.batch_mib is not None else (8 if q else 64)) * MiB),
@@ -437,7 +452,7 @@ def main():
     started = time.monotonic()
     result = {"command": " ".join(["bench/step_overhead.py"] + sys.argv[1:]), "machine": machine(),
               "date": datetime.date.today().isoformat(), "load_before": loadavg(), "config": cfg,
-              "rows": [], "records": {}, "skipped": []}
+              "rows": [], "records": {}, "skipped": [], "arms": arms, "settings": []}
     print(f"step_overhead: {result['machine']}, load {result['load_before']}, {cfg}", flush=True)
     for key in chosen:
         setting = settings[key]
@@ -455,6 +470,7 @@ def main():
             if cleanup is not None:
                 cleanup()
         result["records"][setting["name"]] = records
+        result["settings"].append(setting)
         result["rows"] += summarize(setting, arms, cfg, records)
     result["load_after"] = loadavg()
     result["minutes"] = (time.monotonic() - started) / 60
