@@ -577,7 +577,7 @@ TEST_CASE("prefetching over a channel of the user's: a trainer that all-reduces 
         CHECK(s.steps == 8);
         CHECK(s.bytes == 8 * 16);
         CHECK(s.prefetch == 1);
-        CHECK(s.why_no_prefetch.empty());
+        CHECK(s.prefetch_reason.empty());
         CHECK((s.path == "same_host" || s.path == "network"));
         CHECK(s.prefetch_hits >= 1);  // 7 steps could be; a busy machine may miss some
         CHECK(s.prefetch_hits <= 7);  // the first step and each new epoch's first are synchronous
@@ -591,7 +591,7 @@ TEST_CASE("prefetching over a channel of the user's: a trainer that all-reduces 
         counting_group counted{group};
         auto loader = make_stateful({.sp_media_dedup = true, .total_step = 3}, &counted, 0ms);
         CHECK(loader.prefetch_depth() == 0);
-        CHECK(loader.why_no_prefetch().find("not a Gloo group") != std::string::npos);
+        CHECK(loader.prefetch_reason().find("not a Gloo group") != std::string::npos);
         int steps = 0;
         while (loader.next()) ++steps;
         CHECK(steps == 3);

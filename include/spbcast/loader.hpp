@@ -88,7 +88,7 @@ struct loader_config {
     // The group the prefetch broadcasts over: a second Gloo group over the SP group's ranks, used
     // by nothing else (docs/loader.md shows how to make one). Null: leader_loader makes one from
     // the SP group's own store where the SP group is a ProcessGroupGloo held by an intrusive_ptr
-    // (prefetch_channel.hpp); elsewhere it loads synchronously and why_no_prefetch() says why.
+    // (prefetch_channel.hpp); elsewhere it loads synchronously and prefetch_reason() says why.
     c10::intrusive_ptr<c10d::ProcessGroupGloo> prefetch_channel;
 };
 
@@ -104,7 +104,7 @@ struct loader_stats {
     double wait_seconds = 0;            // in next(): what the trainer waited
     std::int64_t prefetch_hits = 0;     // steps whose batch was already here when next() was called
     std::size_t prefetch = 0;           // the prefetch depth in use
-    std::string why_no_prefetch;        // why it is 0, when it is
+    std::string prefetch_reason;        // why it is 0, when it is
 };
 
 template <class L>
@@ -131,7 +131,7 @@ struct loader_init {
     std::uint64_t prefetch = 0;      // the prefetch depth, the leader's choice
     std::string channel_key;         // the store prefix of the channel leader_loader makes; empty:
                                      // every rank has its loader_config::prefetch_channel
-    std::string why_no_prefetch;     // why prefetch is 0, when it is
+    std::string prefetch_reason;     // why prefetch is 0, when it is
 };
 
 // What the leader sends every step.
@@ -281,7 +281,7 @@ public:
         dedup_ = cfg_.sp_media_dedup && g.getSize() > 1;
         choose_root_wait();
         if (!dedup_) {
-            why_no_prefetch_ = "sp_media_dedup is off or the SP group has one rank: every rank runs its own loader";
+            prefetch_reason_ = "sp_media_dedup is off or the SP group has one rank: every rank runs its own loader";
             loader_ = make_loader();
             length_ = local_length();
             return;
@@ -311,7 +311,7 @@ public:
                 replay(event);
             }
         length_ = init.length;
-        why_no_prefetch_ = init.why_no_prefetch;
+        prefetch_reason_ = init.prefetch_reason;
         open_prefetch(init);
     }
 
@@ -381,13 +381,13 @@ public:
     }
     // The prefetch depth in use (the leader's loader_config::prefetch), and why it is 0 when it is.
     std::size_t prefetch_depth() const { return depth_; }
-    const std::string& why_no_prefetch() const { return why_no_prefetch_; }
+    const std::string& prefetch_reason() const { return prefetch_reason_; }
 
     loader_stats stats() const {
         loader_stats s = stats_;
         s.path = path();
         s.prefetch = depth_;
-        s.why_no_prefetch = why_no_prefetch_;
+        s.prefetch_reason = prefetch_reason_;
         return s;
     }
 
@@ -505,13 +505,13 @@ private:
     // The leader chooses the depth and the channel for every rank (it sends both in loader_init).
     void choose_prefetch(loader_init& init) {
         if (cfg_.prefetch == 0) {
-            init.why_no_prefetch = "loader_config::prefetch is 0 on the SP leader";
+            init.prefetch_reason = "loader_config::prefetch is 0 on the SP leader";
             return;
         }
         if (!cfg_.prefetch_channel) {
             auto [gloo, why_not] = detail::gloo_behind(group_);
             if (!gloo) {
-                init.why_no_prefetch = why_not;
+                init.prefetch_reason = why_not;
                 return;
             }
             std::random_device entropy;
@@ -953,7 +953,7 @@ private:
 
     // The prefetch stage (see "The prefetch thread" above for who touches what).
     std::size_t depth_ = 0;
-    std::string why_no_prefetch_;
+    std::string prefetch_reason_;
     channel_type channel_;
     mutable std::mutex mutex_;
     std::condition_variable changed_;
