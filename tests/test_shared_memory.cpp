@@ -221,14 +221,23 @@ TEST_CASE("shared memory: a leader that allocates its batch in shared memory sen
     CHECK_MESSAGE(results[0].output.find("step 2 tensors allocated") != std::string::npos, spbcast_test::describe(results));
 
     // The group then holds about one copy of the batch: the root's pages are the followers'.
-    const auto memory = spbcast_test::run_processes(
-        worker(), 3, [](int) { return std::vector<std::string>{"group_memory", "qwen3-vl-image", "2", "auto", "leader_allocates"}; },
-        120s);
-    require_all_ok(memory);
-    const auto& out = memory[0].output;
-    const auto x = out.find("x the payload");
-    REQUIRE_MESSAGE(x != std::string::npos, out);
-    const double ratio = std::stod(out.substr(out.rfind(' ', x - 1) + 1, x));
+    // The shared part is read from /proc/meminfo's Shmem, a count of the whole machine that
+    // another program's shared memory moves too: on a busy machine the least of up to three
+    // measurements counts.
+    double ratio = 0;
+    std::string out;
+    for (int attempt = 0; attempt < 3 && (attempt == 0 || ratio >= 1.5); ++attempt) {
+        const auto memory = spbcast_test::run_processes(
+            worker(), 3,
+            [](int) { return std::vector<std::string>{"group_memory", "qwen3-vl-image", "2", "auto", "leader_allocates"}; },
+            120s);
+        require_all_ok(memory);
+        const auto& said = memory[0].output;
+        const auto x = said.find("x the payload");
+        REQUIRE_MESSAGE(x != std::string::npos, said);
+        const double measured = std::stod(said.substr(said.rfind(' ', x - 1) + 1, x));
+        if (attempt == 0 || measured < ratio) ratio = measured, out = said;
+    }
     MESSAGE(out);
     CHECK_MESSAGE(ratio < 1.5, out);
     CHECK(shmem_back_to(baseline, 4096));
