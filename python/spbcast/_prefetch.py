@@ -7,9 +7,10 @@ Invariants, kept here:
   and the trainer's thread touches the channel only where it waited for every job it submitted
   (LeaderLoader keeps that: a synchronous step is sent with no job in flight). Nothing else ever
   uses the channel, so its collectives are in the same order on every rank.
-- The thread holds no reference to the LeaderLoader (the loader can be collected; its close()
-  ends the thread) and no lock while a job runs: the only lock is the queue's, held for an
-  append or a pop. A process forked meanwhile (a DataLoader worker) gets no thread of ours;
+- The thread holds the LeaderLoader only through a job of its leader while the job is queued or
+  runs (a follower's job holds the channel and its queue alone), so a loader dropped between
+  steps can be collected; and it holds no lock while a job runs: the only lock is the queue's,
+  held for an append or a pop. A process forked meanwhile (a DataLoader worker) gets no thread of ours;
   ``Prefetcher.usable()`` is False there, and close() in it touches neither thread nor channel.
 - A job's outcome, value or exception, is kept in its future and raised where the trainer asks
   for it (the step it belongs to), never on the thread.
@@ -118,7 +119,11 @@ def _alive(group):
         return False
 
 
-_IDLE_CHANNELS = {}  # ranks -> channels of closed LeaderLoaders, taken again in order
+# ranks -> channels of closed LeaderLoaders, taken again in order. Process-wide: touched by
+# whichever thread makes or closes a loader, each change one dict or list operation under the
+# GIL. A forked child starts with none: the parent's channels (their sockets) are not its own.
+_IDLE_CHANNELS = {}
+os.register_at_fork(after_in_child=_IDLE_CHANNELS.clear)
 
 
 def close_at_exit(loader):
@@ -128,6 +133,7 @@ def close_at_exit(loader):
 
 
 _OPEN_LOADERS = weakref.WeakSet()
+os.register_at_fork(after_in_child=_OPEN_LOADERS.clear)  # a child closes none of the parent's
 
 
 @atexit.register
