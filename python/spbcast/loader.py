@@ -712,7 +712,7 @@ class LeaderLoader:
             started = time.monotonic()
             batch = self._fetch(None)
             received = {"done": batch is _END, "seconds": time.monotonic() - started}
-            self._count_step(received, batch, 0.0, 0.0)
+            self._count_step(received, batch, 0.0, time.monotonic() - started)
             return batch is _END, (None if batch is _END else batch)
         if self.prefetch:
             return self._next_prefetching()
@@ -987,12 +987,21 @@ class LeaderLoader:
             return "local"
         if self.transport == "network":  # the group's same-host state is for other broadcasts
             return "network"
-        if self._same_host_path():
-            return "same_host"
-        return "hierarchical" if _relay_hosts(self.group, self._leader) else "network"
+        # A group over several hosts keeps a same-host state too (each host's own ranks): the
+        # relay says which it is.
+        if _relay_hosts(self._steps_group(), self._leader):
+            return "hierarchical"
+        return "same_host" if self._same_host_path() else "network"
 
     def _same_host_path(self):
-        return _same_host_path(self.group, self._leader) is True
+        return _same_host_path(self._steps_group(), self._leader) is True
+
+    def _steps_group(self):
+        # The group the steps travel on: with prefetch the channel, once its first broadcast
+        # decided its path (the SP group's loader_init decided the same for the same ranks).
+        if self._channel is not None and _same_host_path(self._channel, self._leader) is not None:
+            return self._channel
+        return self.group
 
     def _count_step(self, received, batch, seconds, waited):
         stats = self._stats

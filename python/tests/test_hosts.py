@@ -223,6 +223,7 @@ def _hosts_ranks(rank, world, hosts):
     for i, (want, batch) in enumerate(zip(expected, got)):
         assert_same(want, batch, f"step {i}")
     assert chunks == [CHUNK] * (len(expected) + 2), chunks  # the loader's init, each step, the end
+    assert loader.stats()["path"] == "hierarchical", loader.stats()
 
 
 def test_broadcast_and_leader_loader_over_two_hosts(two_hosts):

@@ -444,6 +444,7 @@ def _stats(rank, world):
         assert len(lines) == 2 and f"3 steps on the {path} path, 0.0 MiB" in lines[1], lines
     ll = spbcast.LeaderLoader(Slow, None, sp_media_dedup=False, total_epoch=1, log_every=0)
     assert len(list(ll)) == 3 and ll.stats()["path"] == "local" and ll.stats()["steps"] == 3
+    assert ll.stats()["wait_seconds"] >= 0.15, ll.stats()  # every rank waits for its own loader
 
 
 def test_stats_say_what_the_broadcasts_did():
