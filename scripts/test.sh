@@ -132,6 +132,10 @@ for i in "${!generations[@]}"; do
             run_reference_suite
         fi
     else
-        (cd "build/$gen" && ctest --output-on-failure --timeout 900)
+        # What does not depend on the LibTorch a tree links (spbcast's own static_asserts, the
+        # docs' links, the layering of the headers) runs in the first tree only.
+        skip=()
+        if [ "$gen" != "${generations[0]}" ]; then skip=(-E '^(compile_fail\.|docs_links$|layers$)'); fi
+        (cd "build/$gen" && ctest --output-on-failure --timeout 900 "${skip[@]}")
     fi
 done
