@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from .errors import Error
 
+
 class Prefetcher:
     """One thread running submitted jobs in order. ``submit(fn)`` returns a Future."""
 
