@@ -40,6 +40,7 @@ class Prefetcher:
         self._thread = threading.Thread(target=_run, args=(self._jobs, self._ready, lambda: self._stopping),
                                         name=name, daemon=True)
         self._thread.start()
+        _THREADS.add(self)
 
     def usable(self):
         return os.getpid() == self._pid and self._thread.is_alive()
@@ -135,6 +136,20 @@ def close_at_exit(loader):
 
 _OPEN_LOADERS = weakref.WeakSet()
 os.register_at_fork(after_in_child=_OPEN_LOADERS.clear)  # a child closes none of the parent's
+
+
+# Every Prefetcher of this process: at exit each thread gets a few seconds to finish its job,
+# so that a follower's receive that ends as the peers go away (their sockets close) returns to
+# Python before the interpreter finalizes (a thread coming back later is parked, _C.cpp).
+_THREADS = weakref.WeakSet()
+os.register_at_fork(after_in_child=_THREADS.clear)
+_EXIT_WAIT_SECONDS = 5.0
+
+
+@atexit.register
+def _stop_threads():  # registered first: runs after _close_open_loaders
+    for prefetcher in list(_THREADS):
+        prefetcher.stop(_EXIT_WAIT_SECONDS)
 
 
 @atexit.register
