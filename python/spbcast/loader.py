@@ -400,8 +400,9 @@ class LeaderLoader:
         self._prefetch_state = None
         self._channel = self._prefetcher = None
         self._in_flight = collections.deque()
-        self._iter_ended = False  # a prefetched fetch found the pass ended (the leader took its marker)
-        self._pass_ended = False  # set on the prefetch thread: the pass's iterator is exhausted
+        # Set on the prefetch thread: the pass's iterator is exhausted. The trainer's thread reads
+        # it once every job is done (after the marker that said so was taken).
+        self._pass_ended = False
         self._listening = False  # the leader: its followers' threads are receiving envelopes
         self._following = None  # a follower: the job receiving envelopes, while it runs
         self._received = queue.Queue()
@@ -807,7 +808,6 @@ class LeaderLoader:
                 if outcome["kind"] == "marker":
                     self._settle()  # the jobs after it found the pass ended too
                     self._in_flight.clear()
-                    self._iter_ended = True
                     break
                 self._stats["prefetch_hits"] += hit
                 return self._consume(outcome["received"], outcome["failure"], outcome["seconds"],
@@ -848,7 +848,7 @@ class LeaderLoader:
         """On the leader, after a step: keep `prefetch` steps in flight while the pass goes on
         and nothing is due on the trainer's thread first."""
         while (len(self._in_flight) < self.prefetch and self._iter is not None
-               and not (self._iter_ended or self._pass_ended or self._finished or self._closed
+               and not (self._pass_ended or self._finished or self._closed
                         or self._pending or self._carried_words or self._skip
                         or self._replay_from is not None or self._end_of_epoch_pending)
                and (self.total_step is None or self.step + len(self._in_flight) < self.total_step)):
@@ -904,7 +904,7 @@ class LeaderLoader:
             self._in_flight.clear()
         elif self._following is not None:
             self._discarding = True
-        self._iter_ended = self._pass_ended = False
+        self._pass_ended = False
 
     def _prefetch_policy(self, requested):
         """On the leader: (depth, why, how the loader's own state is taken with batches in
@@ -1126,13 +1126,13 @@ class LeaderLoader:
             if self._iter is None and self._replay_from is not None:
                 self._replay_pass()
             if self._iter is None:
-                self._iter_ended = self._pass_ended = False
+                self._pass_ended = False
                 self._pass_generators = self._generator_states()
                 self._fetches_in_pass = 0
                 self._iter = self._call(iter, self.loader, words, "creating the loader's iterator")
             try:
-                if self._iter_ended:  # a prefetched fetch found it ended (its marker was taken)
-                    self._iter_ended = self._pass_ended = False
+                if self._pass_ended:  # a prefetched fetch found it ended (its marker was taken)
+                    self._pass_ended = False
                     batch = _END
                 else:
                     batch = self._call(next, self._iter, words, "fetching a batch", _END)
