@@ -44,13 +44,14 @@ def wait_for_every_rank(path, world, timeout=60):
         time.sleep(0.01)
 
 
-def run(world, fn, *args, timeout=120, prepare=None):
+def run(world, fn, *args, timeout=120, prepare=None, start_method="spawn"):
     """prepare: a picklable callable run as prepare(rank) in each rank before it joins the group
-    (test_hosts.py moves each rank into its "host" there)."""
+    (test_hosts.py moves each rank into its "host" there). start_method "fork": the ranks start
+    with what this process imported (a test that imported a trainer's heavy modules once)."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         ctx = mp.start_processes(_entry, args=(world, init_file, fn, args, prepare), nprocs=world,
-                                 join=False, start_method="spawn")
+                                 join=False, start_method=start_method)
         end = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=max(0.1, end - time.monotonic())):
