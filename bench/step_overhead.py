@@ -260,15 +260,22 @@ def make_hosts(rate):
 # ---- the run -----------------------------------------------------------------------------------
 
 def run_setting(setting, arms, cfg, hosts):
+    return spawn_ranks(rank_main, lambda init_file, out_dir: (WORLD, init_file, cfg, setting, arms, out_dir, hosts),
+                       cfg["timeout"], setting["name"])
+
+
+def spawn_ranks(rank_main, args_for, timeout, what):
+    """Spawns WORLD ranks, each running rank_main(rank, *args_for(init_file, out_dir)) (a FileStore
+    and a directory in a fresh temporary directory); returns the records they wrote to
+    out_dir/rank<N>.json, rank after rank. A rank that fails stops the others; so does ``timeout``."""
     with tempfile.TemporaryDirectory(prefix="spbcast-step-overhead.") as tmp:
-        init_file = os.path.join(tmp, "store")
-        ctx = mp.start_processes(rank_main, args=(WORLD, init_file, cfg, setting, arms, tmp, hosts),
+        ctx = mp.start_processes(rank_main, args=args_for(os.path.join(tmp, "store"), tmp),
                                  nprocs=WORLD, join=False, start_method="spawn")
-        end = time.monotonic() + cfg["timeout"]
+        end = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=max(0.1, end - time.monotonic())):
                 if time.monotonic() > end:
-                    raise TimeoutError(f"{setting['name']}: ranks still running after {cfg['timeout']} s")
+                    raise TimeoutError(f"{what}: ranks still running after {timeout} s")
         finally:
             for p in ctx.processes:
                 if p.is_alive():
