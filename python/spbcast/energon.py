@@ -53,7 +53,13 @@ def get_savable_loader(dataset, *, group, prefetch=None, root_wait=None, timeout
     kwargs: Energon's ``get_savable_loader`` arguments (checkpoint_every_sec, prefetch_factor,
         ...), used on the leader.
     """
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if group is None:
+        return megatron.energon.get_savable_loader(dataset, **kwargs)
+    if dist.get_rank(group) < 0:  # before any collective: the group's ranks would wait for it
+        raise Error(f"spbcast: rank {dist.get_rank()} (spbcast.energon): get_savable_loader: this "
+                    "rank is not in the group it was given; pass each rank the group of the ranks "
+                    "that read its data (its own tensor x context parallel ranks)", "invalid_argument")
+    if dist.get_world_size(group) == 1:
         return megatron.energon.get_savable_loader(dataset, **kwargs)
     allow_classes(*_energon_batch_classes(), _EPathState)
     return EnergonLeaderLoader(dataset, group, prefetch=prefetch, root_wait=root_wait,
@@ -70,7 +76,7 @@ def _energon_batch_classes():
 
 class EnergonLeaderLoader(LeaderLoader):
     """Energon's SavableDataLoader, iterated on the group's leader only, with its API: iteration
-    (a new iter() continues the current pass while it yields, as Energon's does), len(),
+    (as Energon's: with workers a new iter() continues the current pass while it yields), len(),
     save_state_rank / restore_state_rank, save_state_global / restore_state_global, close().
     Built by ``get_savable_loader(..., group=...)``."""
 
