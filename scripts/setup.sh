@@ -117,6 +117,19 @@ except m.PackageNotFoundError: pass' "$1"
             echo "$xtuner_sum" > "$xtuner_stamp"
         fi
     fi
+    # The drop-ins' trainers, at the versions their tests are proven against (the main environment
+    # only): Hugging Face accelerate (transformers' Trainer is XTuner's pin above) and
+    # Megatron-Energon. fsspec stays at XTuner's datasets' bound (s3fs follows it).
+    if [ "$VENV" = "$MAIN_VENV" ]; then
+        dropins=("accelerate==1.15.0" "megatron-energon==7.4.1")
+        if [ "$(version_of accelerate)" != "1.15.0" ] || [ "$(version_of megatron-energon)" != "7.4.1" ]; then
+            echo "setup: installing ${dropins[*]} into $VENV"
+            printf 'fsspec<=2025.3.0\n' > "$VENV/.spbcast-dropins-constraint.txt"
+            "$VENV/bin/pip" install -q -c "$constraint" -c "$VENV/.spbcast-dropins-constraint.txt" "${dropins[@]}"
+        else
+            echo "setup: ${dropins[*]} present in $VENV"
+        fi
+    fi
 }
 
 if [ "$which" != reference ]; then
