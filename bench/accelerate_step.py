@@ -31,7 +31,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from step_overhead import MiB, Samples, checksum, loadavg, machine, spawn_ranks
+from step_overhead import (MiB, Samples, add_loop_options, checksum, loadavg, loop_config, machine,
+                           spawn_ranks, write_results)
 
 WORLD = 4
 MESH = (("dp_shard", 2), ("tp", 2))
@@ -145,24 +146,12 @@ def markdown(result):
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="8 MiB batches, 0.2 s steps, 1 round of 4 steps")
-    parser.add_argument("--step-seconds", type=float, help="the step's sleep (default 1.0; quick 0.2)")
-    parser.add_argument("--batch-mib", type=float, help="batch size in MiB (default 64; quick 8)")
-    parser.add_argument("--batch-size", type=int, default=4, help="samples per batch (default 4)")
-    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2, persistent)")
-    parser.add_argument("--steps", type=int, help="measured steps per arm and round (default 12; quick 4)")
-    parser.add_argument("--warmup", type=int, help="warm-up steps per arm and round (default 3; quick 2)")
-    parser.add_argument("--rounds", type=int, help="rounds, each running both arms (default 3; quick 1)")
+    add_loop_options(parser, rounds=3)
     parser.add_argument("--timeout", type=float, default=1200, help="seconds before giving up")
     parser.add_argument("--out", default=os.path.join(here, "results", "accelerate_step"),
                         help="directory for the JSON and markdown (default bench/results/accelerate_step)")
     args = parser.parse_args()
-    q = args.quick
-    cfg = {"step_seconds": args.step_seconds if args.step_seconds is not None else (0.2 if q else 1.0),
-           "batch_bytes": int((args.batch_mib if args.batch_mib is not None else (8 if q else 64)) * MiB),
-           "batch_size": args.batch_size, "workers": args.workers,
-           "steps": args.steps or (4 if q else 12), "warmup": args.warmup or (2 if q else 3),
-           "rounds": args.rounds or (1 if q else 3)}
+    cfg = loop_config(args)
     import accelerate
     os.makedirs(args.out, exist_ok=True)
     started = time.monotonic()
@@ -174,14 +163,8 @@ def main():
                           args.timeout, "accelerate_step")
     result.update(records=records, rows=summarize(cfg, records), load_after=loadavg(),
                   minutes=(time.monotonic() - started) / 60)
-    name = "accelerate_step-quick" if q else "accelerate_step"
-    with open(os.path.join(args.out, name + ".json"), "w") as f:
-        json.dump(result, f, indent=1)
-    table = markdown(result)
-    with open(os.path.join(args.out, name + ".md"), "w") as f:
-        f.write(table)
-    print()
-    print(table)
+    write_results(args.out, "accelerate_step-quick" if args.quick else "accelerate_step", result,
+                  markdown(result))
     return 0 if all(r["tp_batches_equal"] for r in result["rows"][1:]) else 1
 
 

@@ -405,10 +405,9 @@ def loadavg():
         return " ".join(f.read().split()[:3])
 
 
-def main():
-    here = os.path.dirname(os.path.abspath(__file__))
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_loop_options(parser, rounds):
+    """The options of a training-loop bench (this one, accelerate_step.py): the step, the batch,
+    the loader's workers, how many steps and rounds; ``rounds``: the default rounds."""
     parser.add_argument("--quick", action="store_true",
                         help="8 MiB batches, 0.2 s steps, 1 round of 4 steps: about a minute")
     parser.add_argument("--step-seconds", type=float, help="the step's sleep (default 1.0; quick 0.2)")
@@ -417,7 +416,36 @@ def main():
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2, persistent)")
     parser.add_argument("--steps", type=int, help="measured steps per arm and round (default 12; quick 4)")
     parser.add_argument("--warmup", type=int, help="warm-up steps per arm and round (default 3; quick 2)")
-    parser.add_argument("--rounds", type=int, help="rounds, each running every arm once (default 2; quick 1)")
+    parser.add_argument("--rounds", type=int, help=f"rounds, each running every arm once (default {rounds}; quick 1)")
+    parser.set_defaults(default_rounds=rounds)
+
+
+def loop_config(args):
+    """The loop's configuration from add_loop_options' options."""
+    q = args.quick
+    return {"step_seconds": args.step_seconds if args.step_seconds is not None else (0.2 if q else 1.0),
+            "batch_bytes": int((args.batch_mib if args.batch_mib is not None else (8 if q else 64)) * MiB),
+            "batch_size": args.batch_size, "workers": args.workers,
+            "steps": args.steps or (4 if q else 12), "warmup": args.warmup or (2 if q else 3),
+            "rounds": args.rounds or (1 if q else args.default_rounds)}
+
+
+def write_results(out_dir, name, result, table):
+    """The run's JSON (git-ignored) and its markdown table into ``out_dir``; prints the table."""
+    with open(os.path.join(out_dir, name + ".json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out_dir, name + ".md"), "w") as f:
+        f.write(table)
+    print()
+    print(table)
+    print(f"wrote {os.path.join(out_dir, name + '.json')} and .md")
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_loop_options(parser, rounds=2)
     parser.add_argument("--settings", default="sp4,sp2xdp2,hosts-sp4",
                         help="comma-separated: sp4, sp2xdp2, hosts-sp4 (2 namespace hosts x 2 ranks)")
     parser.add_argument("--transports", default="auto,network", help="comma-separated dedup transports")
@@ -438,11 +466,7 @@ def main():
         print(markdown(result))
         return 0
     q = args.quick
-    cfg = {"step_seconds": args.step_seconds if args.step_seconds is not None else (0.2 if q else 1.0),
-           "batch_bytes": int((args.batch_mib if args.batch_mib is not None else (8 if q else 64)) * MiB),
-           "batch_size": args.batch_size, "workers": args.workers,
-           "steps": args.steps or (4 if q else 12), "warmup": args.warmup or (2 if q else 3),
-           "rounds": args.rounds or (1 if q else 2), "timeout": args.timeout}
+    cfg = dict(loop_config(args), timeout=args.timeout)
     cfg["dataset_length"] = cfg["batch_size"] * (cfg["steps"] + cfg["warmup"]) + 64
     arms = [{"name": "base", "dedup": False}]
     for t in args.transports.split(","):
@@ -481,15 +505,7 @@ def main():
         result["rows"] += summarize(setting, arms, cfg, records)
     result["load_after"] = loadavg()
     result["minutes"] = (time.monotonic() - started) / 60
-    name = "step_overhead-quick" if q else "step_overhead"
-    with open(os.path.join(args.out, name + ".json"), "w") as f:
-        json.dump(result, f, indent=1)
-    table = markdown(result)
-    with open(os.path.join(args.out, name + ".md"), "w") as f:
-        f.write(table)
-    print()
-    print(table)
-    print(f"step_overhead: wrote {os.path.join(args.out, name + '.json')} and .md")
+    write_results(args.out, "step_overhead-quick" if q else "step_overhead", result, markdown(result))
     bad = [r for r in result["rows"] if not (r["batches_equal"] and r["ended"])]
     return 1 if bad else 0
 
