@@ -54,8 +54,8 @@ TEST_CASE("a bad configuration is the same clear error on every rank, before any
         {{.sp_media_dedup = true, .total_epoch = 1, .total_step = 5}, 1, "(both are set)"},
         {{.sp_media_dedup = true, .total_step = 5}, 2, "sp_media_dedup requires TP size 1 (got 2)"},
         {{.sp_media_dedup = false, .total_epoch = 0}, 1, "total_epoch must be positive"},
-        {{.sp_media_dedup = true, .total_step = 5, .timeout = std::chrono::seconds(2), .root_wait = std::chrono::seconds(1)},
-         1, "root_wait (1000 ms) is shorter than timeout (2000 ms)"},
+        {{.sp_media_dedup = true, .total_step = 5, .root_wait = std::chrono::seconds(-1)},
+         1, "root_wait must not be negative"},
     };
     for (const Case& c : cases) {
         CAPTURE(c.expect);
@@ -410,22 +410,31 @@ struct counting_loader {
 
 }  // namespace
 
-TEST_CASE("a leader busy outside the loader for longer than the transport timeout is waited for, as long as the SP group's own timeout") {
+TEST_CASE("a rank busy outside the loader for longer than the transport timeout is waited for, as long as the SP group's own timeout") {
     using namespace std::chrono_literals;
-    std::vector<std::vector<int64_t>> seen(3);
-    run_ranks(3, [&](int rank, auto& group) {
-        auto sp = c10::intrusive_ptr<c10d::ProcessGroupGloo>::reclaim_copy(&group);
-        auto loader = spbcast::make_leader_loader(
-            spbcast::loader_config{.sp_media_dedup = true, .total_step = 3, .timeout = 1s}, sp, 1,
-            [] { return std::make_unique<counting_loader>(); });
-        while (auto batch = loader.next()) {
-            seen[rank].push_back(batch->at(0));
-            // Uploading a checkpoint, say: no keep-alive runs, and it outlasts timeout plus the
-            // 2 s grace of spbcast's own wait, but not the group's timeout.
-            if (rank == 0 && loader.step() == 1) std::this_thread::sleep_for(3500ms);
+    // The leader late (followers wait for its first message), or a follower late (the leader's
+    // first message waits for it), each with prefetch off and on.
+    for (const int busy : {0, 2}) {
+        for (const std::size_t prefetch : {std::size_t{0}, std::size_t{1}}) {
+            CAPTURE(busy);
+            CAPTURE(prefetch);
+            std::vector<std::vector<int64_t>> seen(3);
+            run_ranks(3, [&](int rank, auto& group) {
+                auto sp = c10::intrusive_ptr<c10d::ProcessGroupGloo>::reclaim_copy(&group);
+                auto loader = spbcast::make_leader_loader(
+                    spbcast::loader_config{.sp_media_dedup = true, .total_step = 3, .timeout = 1s,
+                                           .prefetch = prefetch},
+                    sp, 1, [] { return std::make_unique<counting_loader>(); });
+                while (auto batch = loader.next()) {
+                    seen[rank].push_back(batch->at(0));
+                    // Uploading a checkpoint, say: no keep-alive runs, and it outlasts timeout
+                    // plus the 2 s grace of spbcast's own wait, but not the group's timeout.
+                    if (rank == busy && loader.step() == 1) std::this_thread::sleep_for(3500ms);
+                }
+            }, 6s);
+            for (const auto& s : seen) CHECK(s == std::vector<int64_t>{1, 2, 3});
         }
-    }, 6s);
-    for (const auto& s : seen) CHECK(s == std::vector<int64_t>{1, 2, 3});
+    }
 }
 
 TEST_CASE("a leader that hangs outside the loader fails its followers after the SP group's own timeout, or loader_config::root_wait, saying what to do") {
@@ -440,7 +449,9 @@ TEST_CASE("a leader that hangs outside the loader fails its followers after the 
     // own wait, 2 s later (collective.hpp's grace); hence the upper bound.
     // With prefetch the follower's thread waits for the step after the one it prefetched, from
     // the call that took that one.
+    // The group's timeout is the patience also where it is shorter than loader_config::timeout.
     for (const Case c : {Case{3s, 1s, 0ms, "within 3000 ms (the SP group's own timeout)", 3s},
+                         Case{2s, 20s, 0ms, "within 2000 ms (the SP group's own timeout)", 2s},
                          Case{4s, 500ms, 1s, "within 1000 ms (loader_config::root_wait)", 1s},
                          Case{3s, 1s, 0ms, "within 3000 ms (the SP group's own timeout)", 3s, 1}}) {
         CAPTURE(c.expect);

@@ -63,14 +63,16 @@ struct loader_config {
     // longer to fetch a batch is not a failure: it tells the followers it is still working
     // (keep_alive.hpp), and they wait for it as a BASE rank waits for its own loader.
     std::chrono::milliseconds timeout = std::chrono::minutes(5);
-    // How long a follower waits for the leader to start a step's broadcast (options::root_wait)
-    // when the leader is late outside the loader - saving a checkpoint, evaluating - where no
-    // keep-alive runs. Zero: the SP group's own timeout (what ProcessGroupGloo::Options or
-    // init_process_group was given; spbcast::dist::group_timeout), as a BASE rank waits in its
-    // next collective - or `timeout` where that is longer, or where the group does not say (a
-    // transport of your own). Otherwise at least `timeout`. A dead leader is seen at once
-    // whatever this is (its sockets close). With LibTorch 1.13's Gloo no wait outlasts the
-    // group's own timeout: raise that one there.
+    // How long a step's first message may wait (options::root_wait): a follower for a leader
+    // late outside the loader - saving a checkpoint, evaluating - where no keep-alive runs, and
+    // the leader for followers late the same way. Zero: the SP group's own timeout (what
+    // ProcessGroupGloo::Options or init_process_group was given; spbcast::dist::group_timeout),
+    // exactly as long as a BASE rank waits in its next collective on the group, shorter or
+    // longer than `timeout` - or `timeout` where the group does not say (a transport of your
+    // own). spbcast's own wait ends at most 2 s after it (collective.hpp's wait_grace). The
+    // leader's keep-alive frames come every quarter of the shorter of this and `timeout`. A
+    // dead peer is seen at once whatever this is (its sockets close). With LibTorch 1.13's Gloo
+    // no wait outlasts the group's own timeout: raise that one there.
     std::chrono::milliseconds root_wait{0};
     // How batches travel: the same-host path where the SP group shares a host (docs/transports.md).
     transport_mode transport = transport_mode::automatic;
@@ -254,11 +256,6 @@ inline void validate(const loader_config& cfg, int tp_size, int rank) {
             "); turn sp_media_dedup off or run with tensor parallelism 1");
     if (cfg.timeout.count() <= 0) bad("timeout must be positive");
     if (cfg.root_wait.count() < 0) bad("root_wait must not be negative");
-    if (cfg.root_wait.count() > 0 && cfg.root_wait < cfg.timeout)
-        bad("root_wait (" + std::to_string(cfg.root_wait.count()) + " ms) is shorter than timeout (" +
-            std::to_string(cfg.timeout.count()) +
-            " ms), which the leader's keep-alive frames need; set it to at least timeout, or to 0 "
-            "for the SP group's own timeout");
     if (cfg.prefetch > 64) bad("prefetch (" + std::to_string(cfg.prefetch) + ") must be at most 64; 1 or 2 hide a step's data time");
 }
 
@@ -464,8 +461,8 @@ private:
                 .relay_chunk_bytes = cfg_.relay_chunk_bytes};
     }
 
-    // A follower waits for a leader busy outside the loader as long as BASE would: the SP
-    // group's own timeout (see loader_config::root_wait).
+    // A rank waits for a peer busy outside the loader as long as BASE would: the SP group's own
+    // timeout (see loader_config::root_wait).
     void choose_root_wait() {
         if (cfg_.root_wait.count() > 0) {
             root_wait_ = cfg_.root_wait;
@@ -473,13 +470,9 @@ private:
             return;
         }
         const auto own = dist::group_timeout(group_);
-        root_wait_ = std::max(cfg_.timeout, own.value_or(cfg_.timeout));
-        if (!own)
-            root_wait_source_ = "loader_config::timeout; the SP group does not say its own timeout";
-        else if (*own > cfg_.timeout)
-            root_wait_source_ = "the SP group's own timeout";
-        else
-            root_wait_source_ = "loader_config::timeout, not below the SP group's own timeout";
+        root_wait_ = own.value_or(cfg_.timeout);
+        root_wait_source_ = own ? "the SP group's own timeout"
+                                : "loader_config::timeout; the SP group does not say its own timeout";
     }
 
     // ---- The prefetch channel -------------------------------------------------------------

@@ -38,9 +38,10 @@ struct options {
     int root = 0;  // group rank of the sender
     // Bounds every wait of the broadcast; a dead or stuck peer becomes spbcast::transport_error.
     std::chrono::milliseconds timeout = std::chrono::minutes(5);
-    // How long a follower waits for the root to start a broadcast (its first message); zero
-    // means options.timeout. A root that is only slow to produce its batch (a big batch, a
-    // checkpoint saved on the leader) is not a transport failure: raise this, not timeout.
+    // How long the first message of a broadcast may wait: a follower for the root to start it,
+    // the root for its followers to take it; zero means options.timeout. A peer that is only
+    // late - producing its batch, saving a checkpoint - is not a transport failure: raise this,
+    // not timeout. The root's keep-alive frames come every quarter of the shorter of the two.
     std::chrono::milliseconds root_wait = std::chrono::milliseconds(0);
     // Storages smaller than this share coalesced buckets; larger ones are sent in place, with
     // no packing copy on the root and received straight into their final storage.

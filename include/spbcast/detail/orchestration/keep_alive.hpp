@@ -2,7 +2,8 @@
 // transport wait, bounded by options.timeout (and, with LibTorch 1.13's Gloo, by the group's own
 // timeout, which no per-call option can lift); a leader that takes longer to load a batch - a
 // big video, a checkpoint saved on the leader - must not look like a dead peer. While a
-// keep_alive lives on the root, it sends a keep-alive frame every quarter of options.timeout;
+// keep_alive lives on the root, it sends a keep-alive frame every quarter of options.timeout
+// (or of options.root_wait, where that is shorter);
 // followers receive it and go on waiting for the real frame, as a BASE rank waits for its own
 // loader. A dead root still fails at once (its sockets close).
 #pragma once
@@ -40,7 +41,9 @@ public:
     keep_alive(GroupArg& group, const options& opts) {
         auto& g = group_of(group);
         if (g.getSize() == 1 || g.getRank() != opts.root) return;
-        const auto interval = std::max<std::chrono::milliseconds>(opts.timeout / 4, std::chrono::milliseconds(1));
+        // Followers wait root_wait for each frame, and each send is bounded by timeout.
+        const auto interval = std::max<std::chrono::milliseconds>(
+            std::min(opts.timeout, opts.root_wait_or_timeout()) / 4, std::chrono::milliseconds(1));
         thread_ = std::thread([this, &g, opts, interval] {
             std::unique_lock<std::mutex> lock(mutex_);
             while (!wake_.wait_for(lock, interval, [&] { return stop_; })) {

@@ -39,7 +39,10 @@ void send_frame(collective<Group>& c, frame_header header, const std::vector<std
     std::memcpy(out, &header, sizeof header);
     const std::size_t inline_part = std::min(body.size(), inline_body_bytes);
     if (inline_part != 0) std::memcpy(out + sizeof header, body.data(), inline_part);  // a keep-alive has no body
-    c.launch(first, "frame");
+    // The first message waits for followers that may still be busy elsewhere (a checkpoint, an
+    // evaluation) as long as a follower waits for the root: root_wait. What follows is bounded
+    // by options.timeout, message by message.
+    c.launch(first, "frame", {}, c.opts().root_wait_or_timeout());
     if (body.size() > inline_part) {
         at::Tensor rest = at::empty({static_cast<std::int64_t>(body.size() - inline_part)}, at::kByte);
         std::memcpy(rest.data_ptr<std::uint8_t>(), body.data() + inline_part, body.size() - inline_part);
