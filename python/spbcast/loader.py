@@ -51,7 +51,9 @@ _MT_N = 624  # words per Mersenne Twister block
 _MAX_WORDS_PER_CALL = 1 << 26
 _REPLAY_CHUNK = 1 << 20
 _DEFAULT_TIMEOUT = 300.0  # seconds: the core's options.timeout, which timeout=None keeps
-_STATE_VERSION = 3  # 2 added the pass index and the last set_epoch value; 3 the pass's generators
+# 2 added the pass index and the last set_epoch value; 3 the pass's generators; 4 whether the
+# pass reset persistent workers, whether the next one will, and the loader's own generators now.
+_STATE_VERSION = 4
 # The samplers whose pass order depends only on the generators a pass starts from (captured in
 # the state) and the epoch given to set_epoch: a DataLoader with one of these resumes exactly
 # without state of its own.
@@ -59,6 +61,29 @@ _REPLAYABLE_SAMPLERS = (torch.utils.data.SequentialSampler, torch.utils.data.Ran
                         torch.utils.data.SubsetRandomSampler, torch.utils.data.WeightedRandomSampler,
                         torch.utils.data.distributed.DistributedSampler)
 _END = object()
+
+
+def _persistent_iterator(loader):
+    """The iterator a DataLoader with persistent workers keeps between passes, or None. Its next
+    iter() resets it: the workers go on, seeded as they were, and no base seed is drawn. The one
+    place spbcast reads it: torch-internal ``DataLoader._iterator`` (torch 1.7 on; checked on
+    torch 2.9 and 2.13); where a torch has none, resuming such a loader warns."""
+    if isinstance(loader, torch.utils.data.DataLoader) and loader.persistent_workers and loader.num_workers > 0:
+        return getattr(loader, "_iterator", None)
+    return None
+
+
+def _sampler_of(loader):
+    """What orders a DataLoader's pass: its batch sampler's sampler, or a batch sampler of the
+    program's own."""
+    if type(loader.batch_sampler) is torch.utils.data.BatchSampler:
+        return loader.batch_sampler.sampler
+    return loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+
+
+def _keeps_workers(loader):
+    return (isinstance(loader, torch.utils.data.DataLoader) and loader.persistent_workers
+            and loader.num_workers > 0 and hasattr(loader, "_iterator"))
 
 
 def _advance(generator, words):
@@ -255,12 +280,14 @@ class LeaderLoader:
         5 minutes). A leader that takes longer to build its loader or fetch a batch is not a
         failure: meanwhile it sends keep-alive frames every timeout / 4, and the followers wait
         for it as a BASE rank waits for its own loader.
-    root_wait: seconds (or a timedelta) a follower waits for a leader that is late outside the
-        loader (saving a checkpoint, an after-save hook on rank 0) to start the next step; at
-        least ``timeout``. None (default): the SP group's own timeout (``init_process_group``'s or
-        ``new_group``'s ``timeout=``, 30 minutes by default for Gloo), as long as a BASE rank would
-        wait for that leader in the trainer's next collective on the group, or ``timeout`` where
-        that is longer. A dead leader is an error at once.
+    root_wait: seconds (or a timedelta) a step's first message may wait: a follower for a leader
+        that is late outside the loader (saving a checkpoint, an after-save hook on rank 0), and the
+        leader for a follower late the same way (writing its checkpoint shard, an evaluation).
+        None (default): the SP group's own timeout (``init_process_group``'s or ``new_group``'s
+        ``timeout=``, 30 minutes by default for Gloo), exactly as long as a BASE rank would wait
+        for that peer in the trainer's next collective on the group, shorter or longer than
+        ``timeout``; spbcast's own wait ends at most 2 s after it. The leader's keep-alive frames
+        come every quarter of the shorter of this and ``timeout``. A dead peer is an error at once.
     transport: how batches travel, as in ``spbcast.broadcast``: "auto" (the same-host path where
         the SP group shares a host, the hierarchical path where it spans hosts), "network",
         "shared_memory" or "hierarchical".
@@ -287,10 +314,11 @@ class LeaderLoader:
         first batch; state_dict() is the state after the last batch taken, not the prefetched
         ones; an error of a prefetched fetch is raised at its own step.
 
-    Every SP rank must iterate in step. ``state_dict()`` (or ``get_state_dict(...)``) is taken on
-    the SP leader and ``load_state_dict()`` needs it only there (followers learn the position
-    from the leader); on followers they touch nothing, so a state call of the loader that is a
-    collective over its DP group is made by the leaders of all DP replicas together, as in BASE.
+    Every SP rank must iterate in step. ``state_dict()`` (or ``get_state_dict(...)``) is the SP
+    leader's position (followers return {} and touch nothing, so a state call of the loader that
+    is a collective over its DP group is made by the leaders of all DP replicas together, as in
+    BASE); ``load_state_dict()`` is called on every SP rank - a collective over the SP group -
+    with the leader's state on the leader (followers' state is ignored: None will do).
     """
 
     def __init__(self, make_loader, sp_group=None, *, sp_media_dedup, total_epoch=None,
@@ -341,10 +369,7 @@ class LeaderLoader:
             raise Error(where + "transport must be 'auto', 'network', 'shared_memory' or 'hierarchical' "
                         f"(got {transport!r})", "invalid_argument")
         _seconds(timeout)  # refused here, on every rank, rather than in the first broadcast
-        if root_wait is not None and _seconds(root_wait, "root_wait") < (_seconds(timeout) or _DEFAULT_TIMEOUT):
-            # Followers wait for each keep-alive frame (every timeout / 4) within root_wait too.
-            raise Error(where + f"root_wait ({root_wait!r}) must be at least timeout "
-                        f"({timeout if timeout is not None else _DEFAULT_TIMEOUT!r} s)", "invalid_argument")
+        _seconds(root_wait, "root_wait")
         _relay_chunk_bytes(relay_chunk_bytes, where)
         if prefetch is not None and (type(prefetch) is not int or prefetch < 0):
             raise Error(where + f"prefetch must be None (where it keeps every rank's batches and "
@@ -378,6 +403,10 @@ class LeaderLoader:
         self._epoch_value = None  # the last value given to the loader's set_epoch
         self._skip = 0  # batches to drop when resuming mid-epoch without loader state
         self._pass_generators = None  # the generators' states when the current pass began
+        self._pass_resets_workers = False  # the pass's iter() reset persistent workers (no base seed)
+        # Resuming a run whose next pass resets persistent workers: start them first (see
+        # _start_persistent_workers).
+        self._start_workers_first = False
         self._fetches_in_pass = 0  # next() calls on the pass's iterator, those that raised included
         self._replay_from = None  # resuming: the saved pass's generators, to replay it from
         # A step of the pass was taken and its end was not: the same on every SP rank (followers
@@ -418,12 +447,11 @@ class LeaderLoader:
         sp_size = dist.get_world_size(self.group) if self.group is not None else 1
         self.dedup = bool(sp_media_dedup) and sp_size > 1
         self._leader = dist.get_global_rank(self.group, 0) if self.dedup else rank
-        # A follower's wait for the leader's next step: the group's own patience by default, never
-        # less than the transport's timeout (as C++ loader_config::root_wait).
+        # A step's first message waits for a late peer as long as the group's own collectives
+        # would (as C++ loader_config::root_wait).
         self.root_wait = None
         if self.dedup:
-            self.root_wait = _seconds(root_wait, "root_wait") or max(
-                _group_timeout(self.group), _seconds(timeout) or _DEFAULT_TIMEOUT)
+            self.root_wait = _seconds(root_wait, "root_wait") or _group_timeout(self.group)
         # Every rank: what BASE builds on every rank too (its draws need no mirroring).
         if build_on_every_rank is not None:
             shared = build_on_every_rank()
@@ -533,7 +561,7 @@ class LeaderLoader:
         # torch-internal, named here only: a DataLoader iterator's _shutdown_workers() and the
         # DataLoader's _iterator (its persistent workers' iterator). Where a torch has neither,
         # dropping the references below ends the workers when the iterator is collected.
-        for it in (self._iter, getattr(self.loader, "_iterator", None)):
+        for it in (self._iter, _persistent_iterator(self.loader)):
             shutdown = getattr(it, "_shutdown_workers", None)
             if callable(shutdown):
                 shutdown()
@@ -575,9 +603,32 @@ class LeaderLoader:
         if save is not None:
             state["loader"] = self._loader_state(save, args, kwargs)
         else:  # what the pass's order came from, and how far it went, to replay it on resume
+            self._finish_pass_iterator()
             state["pass_generators"] = self._pass_generators
             state["fetches_in_pass"] = self._fetches_in_pass
+            state["pass_resets_workers"] = self._pass_resets_workers
+            state["next_pass_resets_workers"] = (_persistent_iterator(self.loader) is not None
+                                                 or self._start_workers_first)
+            # Where the next pass starts from: the default generator is the trainer's to save.
+            state["generators"] = {name: value for name, value in self._generator_states().items()
+                                   if name != "default"}
         return state
+
+    def _finish_pass_iterator(self):
+        """Saved after an epoch's last batch, the resumed run starts the next pass from the
+        loader's generators as they are now - but a sampler may still draw when its iterator is
+        exhausted (RandomSampler draws once more past its last index), which the continuous
+        run's next fetch does. So that fetch is made now, where it cannot yield a batch (one of
+        torch's samplers over a map-style dataset: len() is exact), and the next fetch ends the
+        pass without another."""
+        if (self._iter is not None and not self.per_pass and 0 < self.length <= self._in_epoch
+                and not self._pass_ended and self._replay_is_exact()):
+            batch = self._outside_step("ending the pass", lambda: next(self._iter, _END))
+            if batch is not _END:
+                raise Error(self._where() + f": the DataLoader yielded a batch past its len() "
+                            f"({self.length}) in epoch {self.epoch}; spbcast cannot save its "
+                            "position (its sampler's len() must be its number of indices)", "loader")
+            self._pass_ended = True
 
     def _loader_state(self, save, args, kwargs):
         """The loader's own state as of the last step taken: with batches prefetched, taken back
@@ -648,7 +699,7 @@ class LeaderLoader:
         raise self._leader_failed("loading its state", outcome["error"], failure)
 
     def _load(self, state):
-        if not isinstance(state, dict) or state.get("version") not in (1, 2, _STATE_VERSION):
+        if not isinstance(state, dict) or state.get("version") not in (1, 2, 3, _STATE_VERSION):
             raise Error(self._where() + ": load_state_dict got a state that LeaderLoader."
                         "state_dict did not write; pass the SP leader's state_dict()",
                         "invalid_argument")
@@ -672,13 +723,24 @@ class LeaderLoader:
         reapply = self._epoch_value is not None and (not self.per_pass or not own_state)
         value = self._epoch_value
 
+        # Resumed where a pass starts (before the first step, after an epoch's last batch), the
+        # next pass starts from the loader's generators as the continuous run has them now; resumed
+        # mid-pass, the replay sets them to where the pass began.
+        at_pass_start = self._in_epoch == 0 or (not self.per_pass and 0 < self.length <= self._in_epoch)
+        next_pass_generators = state.get("generators", {}) if at_pass_start and not own_state else {}
+        resets_workers = not own_state and state.get(
+            "next_pass_resets_workers" if at_pass_start else "pass_resets_workers", False)
+        self._start_workers_first = resets_workers and _keeps_workers(self.loader)
+
         def restore(words):
             if reapply:
                 self._set_epoch(value, words)
             if own_state:
                 self._counted(words, "restoring the loader's state", load, state["loader"])
+            self._set_generators(next_pass_generators)
 
         self._leader_work("load_state_dict", restore)
+        warnings_ = []
         if not self.per_pass and self.length > 0 and self._in_epoch >= self.length:
             # Saved right after an epoch's last batch: the continuous run ends that pass at its
             # next fetch, so the resumed run starts the next epoch. A loader whose own state
@@ -693,18 +755,43 @@ class LeaderLoader:
                 self._replay_from = generators
                 self._skip = state.get("fetches_in_pass", self._skip)
             elif self._skip > 0:
-                return (self._where() + f": resuming mid-epoch (step {self._in_epoch} of epoch "
-                        f"{self.epoch}) by dropping the epoch's first {self._skip} batches, which "
-                        "gives the continuous run's batches only if the loader's order depends on "
-                        "nothing but the epoch given to set_epoch: "
-                        + ("the state holds no generators of the pass (written by an older spbcast)"
-                           if generators is None else
-                           f"{type(self.loader).__name__} is not a DataLoader with one of torch's "
-                           "samplers, whose pass spbcast replays from its generators")
-                        + "; give the loader state of its own (state_dict / load_state_dict, "
-                        "torchdata's StatefulDataLoader) or state_hooks=, or silence "
-                        "spbcast.ResumeWarning if the order is the epoch's alone")
-        return None
+                warnings_.append(
+                    f"resuming mid-epoch (step {self._in_epoch} of epoch {self.epoch}) by dropping "
+                    f"the epoch's first {self._skip} batches, which gives the continuous run's "
+                    "batches only if the loader's order depends on nothing but the epoch given to "
+                    "set_epoch: "
+                    + ("the state holds no generators of the pass (written by an older spbcast)"
+                       if generators is None else
+                       f"{type(self.loader).__name__} is not a DataLoader with one of torch's "
+                       "samplers, whose pass spbcast replays from its generators")
+                    + "; give the loader state of its own (state_dict / load_state_dict, "
+                    "torchdata's StatefulDataLoader) or state_hooks=, or silence "
+                    "spbcast.ResumeWarning if the order is the epoch's alone")
+        # The epoch the resumed run goes on in (after an epoch's last batch: the next one).
+        resumed_epoch, resumed_pass = (self.epoch + 1, self._pass + 1) if self._in_epoch and at_pass_start \
+            else (self.epoch, self._pass)
+        if not own_state and at_pass_start and resumed_pass > 0 and self._own_sampler() is not None:
+            warnings_.append(
+                f"resuming at the start of epoch {resumed_epoch}: the sampler "
+                f"{type(self._own_sampler()).__name__} is not one of torch's, and what it carries "
+                "from one pass to the next (its own generators, Python's or numpy's) is not "
+                "restored; give the loader state of its own (state_dict / load_state_dict, "
+                "torchdata's StatefulDataLoader) or state_hooks=, or silence "
+                "spbcast.ResumeWarning if its order is the epoch's alone")
+        if resets_workers:
+            warnings_.append(
+                f"resuming epoch {resumed_epoch} of a DataLoader with persistent workers "
+                "(persistent_workers=True), which the continuous run started in an earlier pass: "
+                "the resumed run starts them anew, so what they draw (augmentation with torch's, "
+                "Python's or numpy's generators in the dataset or collate_fn) is not the "
+                "continuous run's - their generators carried over from the earlier passes"
+                + ("" if self._start_workers_first else
+                   ", and nor may the sample order be (this torch's DataLoader keeps no "
+                   "persistent iterator where spbcast looks: DataLoader._iterator)")
+                + "; for exact worker-side randomness use torchdata's StatefulDataLoader (it "
+                "snapshots its workers) or persistent_workers=False, or silence "
+                "spbcast.ResumeWarning if the workers draw nothing")
+        return "; and ".join(self._where() + ": " + w for w in warnings_) or None
 
     # ---- steps ----------------------------------------------------------------------------------
 
@@ -926,11 +1013,7 @@ class LeaderLoader:
             return 0, ("num_workers=0: the fetch runs in this process, where the dataset or the "
                        "collate function may draw from the default CPU generator (pass "
                        "prefetch=1 if they do not)"), None
-        sampler = loader.sampler
-        if type(loader.batch_sampler) is torch.utils.data.BatchSampler:
-            sampler = loader.batch_sampler.sampler
-        elif loader.batch_sampler is not None:
-            sampler = loader.batch_sampler
+        sampler = _sampler_of(loader)
         if not (isinstance(loader.dataset, torch.utils.data.IterableDataset)
                 or type(sampler) in _REPLAYABLE_SAMPLERS):
             return 0, (f"the sampler {type(sampler).__name__} is not one of torch's, and it runs "
@@ -1123,12 +1206,15 @@ class LeaderLoader:
             return _END
         empty_passes = 0
         while True:
+            if self._iter is None and self._start_workers_first:
+                self._start_persistent_workers()
             if self._iter is None and self._replay_from is not None:
                 self._replay_pass()
             if self._iter is None:
                 self._pass_ended = False
                 self._pass_generators = self._generator_states()
                 self._fetches_in_pass = 0
+                self._pass_resets_workers = _persistent_iterator(self.loader) is not None
                 self._iter = self._call(iter, self.loader, words, "creating the loader's iterator")
             try:
                 if self._pass_ended:  # a prefetched fetch found it ended (its marker was taken)
@@ -1182,21 +1268,50 @@ class LeaderLoader:
         return {name: (torch.get_rng_state() if g is None else g.get_state()).tolist()
                 for name, g in self._generators().items()}
 
-    def _replay_pass(self):
-        """Resuming mid-pass without the loader's own state: the pass is started again from the
-        generators it started from and the batches taken before the checkpoint are drawn and
-        dropped, so the order is the continuous run's. The default generator is the trainer's:
-        it is borrowed for the replay and given back as it was (nothing to mirror)."""
-        saved, trainers = self._replay_from, torch.get_rng_state()
-        self._replay_from = None
+    def _set_generators(self, states):
+        """Sets the generators named in ``states`` (as _generator_states wrote them); one the
+        loader no longer has is skipped."""
         generators = self._generators()
-        for name, state in saved.items():
+        for name, state in states.items():
             state = torch.tensor(state, dtype=torch.uint8)
             if name == "default":
                 torch.set_rng_state(state)
             elif name in generators:
                 generators[name].set_state(state)
+
+    @contextlib.contextmanager
+    def _borrowed_generators(self):
+        """Every generator the loader's order may draw from, given back as it was: what runs
+        inside draws nothing that BASE drew (nothing to mirror either)."""
+        states = self._generator_states()
         try:
+            yield
+        finally:
+            self._set_generators(states)
+
+    def _start_persistent_workers(self):
+        """Resuming a DataLoader with persistent workers that the continuous run started in an
+        earlier pass: there the next pass's iter() reset them and drew no base seed, where a
+        fresh DataLoader's first iter() draws one before the sampler's seed - a pass order one
+        draw off, and a default generator that is no longer BASE's. So its workers are started
+        first, with every generator borrowed, and the pass's iter() resets them as in the
+        continuous run. (The few samples they fetch meanwhile are dropped by that reset.)"""
+        self._start_workers_first = False
+        if _persistent_iterator(self.loader) is None:
+            with self._borrowed_generators():
+                iter(self.loader)
+
+    def _replay_pass(self):
+        """Resuming mid-pass without the loader's own state: the pass is started again from the
+        generators it started from and the batches taken before the checkpoint are drawn and
+        dropped, so the order is the continuous run's. The default generator is the trainer's:
+        it is borrowed for the replay and given back as it was (nothing to mirror); the loader's
+        own generators end where the continuous run's are."""
+        saved, trainers = self._replay_from, torch.get_rng_state()
+        self._replay_from = None
+        self._set_generators(saved)
+        try:
+            self._pass_resets_workers = _persistent_iterator(self.loader) is not None
             self._iter = iter(self.loader)
             for _ in range(self._skip):
                 try:
@@ -1208,16 +1323,20 @@ class LeaderLoader:
             torch.set_rng_state(trainers)
             self._pass_generators, self._fetches_in_pass, self._skip = saved, self._skip, 0
 
+    def _own_sampler(self):
+        """A DataLoader's sampler that is not one of torch's (what it carries from one pass to
+        the next spbcast cannot restore), or None."""
+        if (not isinstance(self.loader, torch.utils.data.DataLoader) or self._replay_is_exact()
+                or isinstance(self.loader.dataset, torch.utils.data.IterableDataset)):
+            return None
+        return _sampler_of(self.loader)
+
     def _replay_is_exact(self):
         """Whether replaying a pass from its generators gives the continuous run's order: a
         DataLoader whose sampler is one of torch's own (else a sampler's order may depend on
         what spbcast cannot capture: Python's or numpy's generators, a dataset's own state)."""
-        if not isinstance(self.loader, torch.utils.data.DataLoader):
-            return False
-        sampler = self.loader.sampler
-        if type(self.loader.batch_sampler) is torch.utils.data.BatchSampler:
-            sampler = self.loader.batch_sampler.sampler
-        return type(sampler) in _REPLAYABLE_SAMPLERS
+        return (isinstance(self.loader, torch.utils.data.DataLoader)
+                and type(_sampler_of(self.loader)) in _REPLAYABLE_SAMPLERS)
 
     def _call(self, fn, arg, words, doing, *default):
         if words is None:

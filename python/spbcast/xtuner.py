@@ -188,10 +188,9 @@ class DataloaderConfig(_XTunerDataloaderConfig):
                               extra="forbid", arbitrary_types_allowed=True)
 
     sp_media_dedup: bool = False
-    # Seconds an SP follower waits for its leader to start the next step when the leader is late
-    # outside the loader (rank 0 saving a checkpoint, an after-save hook); at least 300 (the
-    # broadcast's timeout). None: the SP group's own timeout, as long as BASE's next collective
-    # on it waits.
+    # Seconds a step's first message waits for an SP rank late outside the loader (rank 0 saving
+    # a checkpoint, an after-save hook; a follower writing its shard). None: the SP group's own
+    # timeout, exactly as long as BASE's next collective on it waits.
     sp_media_dedup_root_wait: float | None = None
     # Batches the SP leader fetches and broadcasts ahead, while the step runs (0: each step's
     # batch is fetched and sent when the Trainer asks for it).

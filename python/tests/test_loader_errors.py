@@ -118,45 +118,50 @@ def test_draws_that_cannot_be_mirrored_say_why():
     run(2, _draw_limits, timeout=120)
 
 
-GROUP_TIMEOUT, LATE, HUNG = 4, 2.5, 6.5  # seconds; the loader's own timeout is 1 s
+GROUP_TIMEOUT, LATE, HUNG = 4, 2.5, 6.5  # seconds
 
 
-def _patience(rank, world):
-    # The SP group's own timeout is the followers' patience with a leader late outside the loader
-    # (a checkpoint upload on rank 0): longer than the loader's timeout, it is not a failure; a
-    # leader hung longer than it fails its followers within it, plus a little.
+def _patience(rank, world, timeout, prefetch):
+    # The SP group's own timeout is the patience of a step's first message, shorter or longer
+    # than the loader's timeout: a leader late outside the loader (a checkpoint upload on rank 0)
+    # or a follower late the same way (its own checkpoint shard) is not a failure; a leader hung
+    # longer than it fails its followers within it, plus the 2 s grace.
     import datetime
     import time
 
     import torch.distributed as dist
 
     sp = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=GROUP_TIMEOUT))
-    # An explicit root_wait overrides the group's.
-    assert spbcast.LeaderLoader(list, sp, sp_media_dedup=True, total_epoch=1, timeout=1,
-                                root_wait=7).root_wait == 7
-    with pytest.raises(spbcast.Error, match=r"root_wait \(0.5\) must be at least timeout \(1 s\)"):
-        spbcast.LeaderLoader(list, sp, sp_media_dedup=True, total_epoch=1, timeout=1, root_wait=0.5)
+    # An explicit root_wait overrides the group's, also where it is shorter than timeout.
+    for explicit in (7, 0.5):
+        assert spbcast.LeaderLoader(list, sp, sp_media_dedup=True, total_epoch=1, timeout=1,
+                                    root_wait=explicit).root_wait == explicit
     ll = spbcast.LeaderLoader(lambda: [[torch.full((2,), i)] for i in range(5)], sp,
-                              sp_media_dedup=True, total_epoch=1, timeout=1)
+                              sp_media_dedup=True, total_epoch=1, timeout=timeout, prefetch=prefetch)
     assert ll.root_wait == GROUP_TIMEOUT
     it = iter(ll)
     assert next(it)[0].tolist() == [0, 0]
-    if rank == 0:
-        time.sleep(LATE)
-    assert next(it)[0].tolist() == [1, 1], "a leader late less than the group's timeout"
+    for late, step in ((0, 1), (1, 2)):  # the leader late, then the follower
+        if rank == late:
+            time.sleep(LATE)
+        assert next(it)[0].tolist() == [step, step], f"rank {late} late less than the group's timeout"
     if rank == 0:
         time.sleep(HUNG)  # its follower gave up meanwhile: the group is broken, whatever comes next
         return
     start = time.monotonic()
     with pytest.raises(spbcast.TransportError) as info:
         next(it)
+        next(it)  # with prefetch, the step after the one received while the leader slept
     waited = time.monotonic() - start
     assert info.value.code == "timeout" and "root_wait" in str(info.value), str(info.value)
-    assert GROUP_TIMEOUT - 0.5 <= waited <= GROUP_TIMEOUT + 2, f"gave up after {waited:.1f} s"
+    assert waited <= GROUP_TIMEOUT + 2 + 0.5, f"gave up after {waited:.1f} s"
+    if not prefetch:  # with prefetch the wait began at the step before
+        assert waited >= GROUP_TIMEOUT - 0.5, f"gave up after {waited:.1f} s"
 
 
-def test_followers_wait_as_long_as_the_group():
-    run(2, _patience, timeout=60)
+@pytest.mark.parametrize("timeout, prefetch", [(1, 0), (10, 1)], ids=["timeout-shorter", "timeout-longer-prefetch"])
+def test_ranks_wait_as_long_as_the_group(timeout, prefetch):
+    run(2, _patience, timeout, prefetch, timeout=60)
 
 
 def _resume_after_failure(rank, world, workers):

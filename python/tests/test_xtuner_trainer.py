@@ -249,7 +249,7 @@ def test_switch_refuses_what_it_cannot_do(tmp_path):
         "off, at SP 1, without a mesh or an SP dimension: XTuner's own Dataloader")
     assert r["on"] == r["rl_worker_mesh"] == "XTunerLeaderLoader"
     waited, timeout = r["root_wait"].split(" of the group's ")
-    assert float(waited) == max(float(timeout), 300), r["root_wait"]  # at least the transport's
+    assert float(waited) == float(timeout), r["root_wait"]  # the group's own patience
     assert r["root_wait_field"] == "4000.0"
     assert "requires TP size 1" in r["tp2"] and "tp_size=1" in r["tp2"], r["tp2"]
     for name in ("not_xtuner_mesh", "not_the_dp_dim"):
