@@ -65,12 +65,14 @@ wait_for_reference() {
 # What differs between torch releases, within CI's budget: the XTuner switch on XTuner's real
 # pipeline (the media one) and Trainer (DeviceMesh, the accelerator API, DataLoader workers), the
 # loader's failures, patience and prefetch (group timeouts and names, the generator's state,
-# threads and fork) and the extension built against this torch.
+# threads and fork), resume (the DataLoader's persistent iterator) and the extension built
+# against this torch.
 run_reference_suite() {
     echo "=== spbcast: Python package on PyTorch 2.9.1 ($REFERENCE_VENV)"
     "$REFERENCE_VENV/bin/python" -m pytest -q python/tests/test_xtuner.py -k "not text_pipeline" \
         python/tests/test_xtuner_trainer.py python/tests/test_loader_errors.py \
-        python/tests/test_global_ranks.py python/tests/test_prefetch.py
+        python/tests/test_global_ranks.py python/tests/test_prefetch.py \
+        python/tests/test_resume_matrix.py
 }
 
 background=""
