@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from step_overhead import (MiB, Samples, add_loop_options, checksum, loadavg, loop_config, machine,
-                           spawn_ranks, write_results)
+                           machine_line, spawn_ranks, write_results)
 
 WORLD = 4
 MESH = (("dp_shard", 2), ("tp", 2))
@@ -125,12 +125,9 @@ def summarize(cfg, records):
 
 
 def markdown(result):
-    m, cfg = result["machine"], result["config"]
+    cfg = result["config"]
     lines = [f"Command: `{result['command']}`", "",
-             f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['memory']}; torch {m['torch']}, accelerate "
-             f"{result['accelerate']}, Python {m['python']}; commit {m['commit']}; {result['date']}; load "
-             f"average {result['load_before']} before, {result['load_after']} after; {result['minutes']:.1f} min.",
-             "", f"4 ranks, mesh (dp_shard 2, tp 2); a {cfg['batch_bytes'] / MiB:.0f} MiB batch "
+             machine_line(result, f"accelerate {result['accelerate']}, "), "", f"4 ranks, mesh (dp_shard 2, tp 2); a {cfg['batch_bytes'] / MiB:.0f} MiB batch "
              f"({cfg['batch_size']} samples) from a DataLoader with {cfg['workers']} persistent workers "
              f"prepared by accelerate; a {cfg['step_seconds']} s step then all-reduces; {cfg['rounds']} "
              f"rounds x {cfg['steps']} measured steps per arm ({cfg['warmup']} warm-up steps a round).", "",

@@ -41,7 +41,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from step_overhead import MiB, checksum, loadavg, machine, spawn_ranks
+from step_overhead import MiB, checksum, loadavg, machine, machine_line, spawn_ranks, write_results
 
 WORLD = 4
 SETTINGS = {"tp2": {"name": "TP2 x DP2", "tp": 2}, "tp4": {"name": "TP4", "tp": 4}}
@@ -215,12 +215,9 @@ def summarize(setting, cfg, records):
 
 
 def markdown(result):
-    m, cfg = result["machine"], result["config"]
+    cfg = result["config"]
     lines = [f"Command: `{result['command']}`", "",
-             f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['memory']}; torch {m['torch']}, megatron-energon "
-             f"{result['energon']}, Python {m['python']}; commit {m['commit']}; {result['date']}; load "
-             f"average {result['load_before']} before, {result['load_after']} after; {result['minutes']:.1f} min.",
-             "", f"4 ranks; batches of {cfg['batch_size']} {cfg['image']} x {cfg['image']} JPEG images decoded "
+             machine_line(result, f"megatron-energon {result['energon']}, "), "", f"4 ranks; batches of {cfg['batch_size']} {cfg['image']} x {cfg['image']} JPEG images decoded "
              f"to float32 by Energon's {cfg['workers']} workers per loader; a {cfg['step_seconds']} s step then "
              f"all-reduces; {cfg['rounds']} rounds x {cfg['steps']} measured steps per arm ({cfg['warmup']} "
              "warm-up steps a round). Memory: Pss_Anon + Pss_Shmem of a rank's process and its workers "
@@ -281,14 +278,7 @@ def main():
             result["records"][setting["name"]] = records
             result["rows"] += summarize(setting, cfg, records)
     result.update(load_after=loadavg(), minutes=(time.monotonic() - started) / 60)
-    name = "energon_step-quick" if q else "energon_step"
-    with open(os.path.join(args.out, name + ".json"), "w") as f:
-        json.dump(result, f, indent=1)
-    table = markdown(result)
-    with open(os.path.join(args.out, name + ".md"), "w") as f:
-        f.write(table)
-    print()
-    print(table)
+    write_results(args.out, "energon_step-quick" if q else "energon_step", result, markdown(result))
     return 0 if all(r["tp_batches_equal"] for r in result["rows"]) else 1
 
 

@@ -373,12 +373,17 @@ def fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
+def machine_line(result, trainer=""):
+    """The table's "Machine:" line: where, with what (``trainer``: e.g. "accelerate 1.15.0, "), when."""
+    m = result["machine"]
+    return (f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['memory']}; torch {m['torch']}, {trainer}Python "
+            f"{m['python']}; commit {m['commit']}; {result['date']}; load average {result['load_before']} "
+            f"before, {result['load_after']} after; {result['minutes']:.1f} min.")
+
+
 def markdown(result):
-    m, cfg = result["machine"], result["config"]
-    lines = [f"Command: `{result['command']}`", "",
-             f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['memory']}; torch {m['torch']}, Python "
-             f"{m['python']}; commit {m['commit']}; {result['date']}; load average {result['load_before']} "
-             f"before, {result['load_after']} after; {result['minutes']:.1f} min.", "",
+    cfg = result["config"]
+    lines = [f"Command: `{result['command']}`", "", machine_line(result), "",
              f"4 ranks, a {cfg['batch_bytes'] / MiB:.0f} MiB batch ({cfg['batch_size']} samples) from a "
              f"DataLoader with {cfg['workers']} persistent workers, a {cfg['step_seconds']} s step then "
              f"all-reduces; {cfg['rounds']} rounds x {cfg['steps']} measured steps per arm "
