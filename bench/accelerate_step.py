@@ -127,7 +127,8 @@ def summarize(cfg, records):
 def markdown(result):
     cfg = result["config"]
     lines = [f"Command: `{result['command']}`", "",
-             machine_line(result, f"accelerate {result['accelerate']}, "), "", f"4 ranks, mesh (dp_shard 2, tp 2); a {cfg['batch_bytes'] / MiB:.0f} MiB batch "
+             machine_line(result, f"accelerate {result['accelerate']}, "), "",
+             f"4 ranks, mesh (dp_shard 2, tp 2); a {cfg['batch_bytes'] / MiB:.0f} MiB batch "
              f"({cfg['batch_size']} samples) from a DataLoader with {cfg['workers']} persistent workers "
              f"prepared by accelerate; a {cfg['step_seconds']} s step then all-reduces; {cfg['rounds']} "
              f"rounds x {cfg['steps']} measured steps per arm ({cfg['warmup']} warm-up steps a round).", "",

@@ -217,7 +217,8 @@ def summarize(setting, cfg, records):
 def markdown(result):
     cfg = result["config"]
     lines = [f"Command: `{result['command']}`", "",
-             machine_line(result, f"megatron-energon {result['energon']}, "), "", f"4 ranks; batches of {cfg['batch_size']} {cfg['image']} x {cfg['image']} JPEG images decoded "
+             machine_line(result, f"megatron-energon {result['energon']}, "), "",
+             f"4 ranks; batches of {cfg['batch_size']} {cfg['image']} x {cfg['image']} JPEG images decoded "
              f"to float32 by Energon's {cfg['workers']} workers per loader; a {cfg['step_seconds']} s step then "
              f"all-reduces; {cfg['rounds']} rounds x {cfg['steps']} measured steps per arm ({cfg['warmup']} "
              "warm-up steps a round). Memory: Pss_Anon + Pss_Shmem of a rank's process and its workers "
