@@ -246,7 +246,7 @@ class _AccelerateLeaderLoader(LeaderLoader):
         # DataLoaderShard drives the passes: one pass per iter(), its own set_epoch on every rank.
         super().__init__(lambda: source, group, sp_media_dedup=True, set_epoch=None, **options)
 
-    def _prefetch_policy(self, requested):
+    def prefetch_policy(self, requested):
         # The fetch of a DataLoader with workers runs in them, except its batch sampler, which runs
         # here: accelerate's BatchSamplerShard and SkipBatchSampler around torch's samplers (their
         # own generators, which prepare_data_loader gives them) draw nothing from the default CPU

@@ -111,7 +111,7 @@ class EnergonLeaderLoader(LeaderLoader):
         if iterator is not None:
             iterator._shutdown_workers()
 
-    def _prefetch_policy(self, requested):
+    def prefetch_policy(self, requested):
         # The state taken with batches in flight is Energon's save_state_rank() from before the
         # first of them ("snapshot"): its position is that of the batches the trainer took.
         workers = self.loader.loader.worker_config.num_workers

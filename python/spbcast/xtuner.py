@@ -102,17 +102,17 @@ class XTunerLeaderLoader(LeaderLoader):
                          log=lambda line: get_logger().info(line))
         self._batch_samples = batch_samples  # samples per step over the DP group
 
-    def _prefetch_policy(self, requested):
+    def prefetch_policy(self, requested):
         # XTuner's pipeline (its samplers, datasets, packing and collator) draws nothing from
         # the default CPU generator while fetching, with or without workers: it seeds
         # generators of its own (test_xtuner_trainer.py checks every rank's generator against
         # BASE with prefetch on). Its Dataloader counts the samples it yields (_local_samples),
-        # which _rewound takes back by the batches fetched ahead.
+        # which rewound() takes back by the batches fetched ahead.
         depth = 1 if requested is None else requested
         return depth, ("XTuner's Dataloader" if requested is None else f"prefetch={requested}"), "rewind"
 
     @contextlib.contextmanager
-    def _rewound(self, batches):
+    def rewound(self, batches):
         # torch-internal to XTuner, named here only: Dataloader._local_samples, which its
         # __iter__ raises by len(batch) as it yields a batch and get_state_dict reads.
         samples = sum(len(batch) for batch in batches)
@@ -151,9 +151,9 @@ class XTunerLeaderLoader(LeaderLoader):
             raise loader_error(where + message, "TypeError", message, TypeError)
         position = None
         if "version" in state and "loader" in state:  # LeaderLoader.state_dict's own layout
-            if state["version"] not in (1, 2, 3):
+            if state["version"] not in (1, 2, 3, 4):
                 raise Error(where + f"the dataloader state is LeaderLoader's version "
-                            f"{state['version']!r}, which this spbcast does not know (1 to 3); "
+                            f"{state['version']!r}, which this spbcast does not know (1 to 4); "
                             "resume with the spbcast that wrote it", "version_mismatch")
             position = {k: v for k, v in state.items() if k != "loader"}
             state = state["loader"]

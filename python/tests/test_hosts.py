@@ -24,7 +24,7 @@ import torch.distributed as dist
 import spbcast
 from batches import assert_same
 from dist_harness import run
-from spbcast import loader as loader_module
+from spbcast._loader import step_exchange as loader_module  # the module whose broadcast the steps use
 from spbcast._broadcast import _relay_chunk_bytes, _relay_hosts
 
 CHUNK = 64 << 10

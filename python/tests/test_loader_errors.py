@@ -99,7 +99,7 @@ class Draws(Dataset):
 
 
 def _draw_limits(rank, world):
-    spbcast.loader._MAX_WORDS_PER_CALL = 4096  # 64 Mi words by default: seconds to draw
+    spbcast._loader.generators.MAX_WORDS_PER_CALL = 4096  # 64 Mi words by default: seconds to draw
     torch.manual_seed(3)
     ll = spbcast.LeaderLoader(lambda: DataLoader(Draws(), batch_size=1, collate_fn=first), None,
                               sp_media_dedup=True, total_epoch=1)
