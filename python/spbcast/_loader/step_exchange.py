@@ -163,8 +163,9 @@ class StepExchange:
         return shared_memory() if self._batches_in_shared_memory(channel) else contextlib.nullcontext()
 
     def _batches_in_shared_memory(self, channel):
-        # detail/loader/step_exchange.hpp's batches_in_shared_memory(): only when the (group, leader) takes the
-        # same-host path, which the first broadcast (loader_init) decided, and the switch is on.
+        # As detail/loader/step_exchange.hpp's batches_in_shared_memory(): only when the (group,
+        # leader) takes the same-host path, which the first broadcast (loader_init) decided, and
+        # the switch is on.
         if not self._allocate_in_shared_memory or self.options["transport"] == "network":
             return False
         return self._same_host_path(channel)
