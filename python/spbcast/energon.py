@@ -28,6 +28,7 @@ from megatron.energon import Batch, SavableDataLoader, SourceInfo
 from megatron.energon.epathlib import EPath
 from megatron.energon.flavors.base_dataset import Sample
 
+from ._loader.generators import persistent_iterator, shut_down_workers
 from ._wire import allow_classes
 from .errors import Error
 from .loader import LeaderLoader
@@ -104,12 +105,9 @@ class EnergonLeaderLoader(LeaderLoader):
         """LeaderLoader.close(), and on the leader Energon's worker processes with it."""
         energon = self.loader.loader if self.loader is not None else None
         super().close()
-        # torch-internal, named here only: the persistent-worker iterator of Energon's
-        # DataLoader (DataLoader._iterator) and its _shutdown_workers(); left to the garbage
-        # collector, each worker is joined only after a timeout.
-        iterator = getattr(energon, "_iterator", None)
-        if iterator is not None:
-            iterator._shutdown_workers()
+        # Energon's DataLoader hides behind _WireLoader, where LeaderLoader.close() does not see
+        # its persistent workers; left to the garbage collector, each is joined only after a timeout.
+        shut_down_workers(persistent_iterator(energon))
 
     def prefetch_policy(self, requested):
         # The state taken with batches in flight is Energon's save_state_rank() from before the

@@ -28,6 +28,7 @@ from xtuner.v1.data_proto.sequence_context import DSATopKCacheState, SequenceCon
 from xtuner.v1.datasets.config import DataloaderConfig as _XTunerDataloaderConfig
 from xtuner.v1.utils import get_logger
 
+from ._loader.resume import STATE_VERSIONS
 from ._wire import allow_classes
 from .errors import Error, loader_error
 from .loader import LeaderLoader
@@ -151,9 +152,10 @@ class XTunerLeaderLoader(LeaderLoader):
             raise loader_error(where + message, "TypeError", message, TypeError)
         position = None
         if "version" in state and "loader" in state:  # LeaderLoader.state_dict's own layout
-            if state["version"] not in (1, 2, 3, 4):
+            if state["version"] not in STATE_VERSIONS:
                 raise Error(where + f"the dataloader state is LeaderLoader's version "
-                            f"{state['version']!r}, which this spbcast does not know (1 to 4); "
+                            f"{state['version']!r}, which this spbcast does not know (1 to "
+                            f"{STATE_VERSIONS[-1]}); "
                             "resume with the spbcast that wrote it", "version_mismatch")
             position = {k: v for k, v in state.items() if k != "loader"}
             state = state["loader"]

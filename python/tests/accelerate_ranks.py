@@ -22,7 +22,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.state import AcceleratorState, GradientState
@@ -272,21 +271,11 @@ def _rank(rank, world, root, tag, arms):
 
 
 def run_arms(root, tag, arms, timeout=150):
-    """Forks one job of WORLD ranks (dist_harness's entry: Gloo over a FileStore) whose ranks run
+    """Forks one job of WORLD ranks (dist_harness.run: Gloo over a FileStore) whose ranks run
     ``arms`` in turn; returns {arm name: [record per rank]}. A rank that fails fails the job with
     its traceback; a job past ``timeout`` is killed."""
-    context = mp.start_processes(dist_harness._entry, nprocs=WORLD, join=False, start_method="fork",
-                                 args=(WORLD, os.path.join(root, "store-" + tag), _rank,
-                                       (root, tag, arms), _environment))
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"job {tag}: ranks still running after {timeout} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    dist_harness.run(WORLD, _rank, root, tag, arms, timeout=timeout, prepare=_environment,
+                     start_method="fork")
     per_rank = [torch.load(os.path.join(root, f"records-{tag}-rank{r}.pt"), weights_only=False)
                 for r in range(WORLD)]
     return {arm.name: [records[arm.name] for records in per_rank] for arm in arms}

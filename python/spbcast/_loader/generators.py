@@ -134,19 +134,35 @@ def mirror(where, words, leader):
     advance(None, words)
 
 
+# torch-internal: where a DataLoader with persistent workers keeps their iterator between passes
+# (torch 1.7 on; checked on torch 2.9 and 2.13). Where a torch has none, resuming such a loader
+# warns.
+_PERSISTENT_ITERATOR = "_iterator"
+
+
+def _has_persistent_workers(loader):
+    return (isinstance(loader, torch.utils.data.DataLoader) and loader.persistent_workers
+            and loader.num_workers > 0)
+
+
 def persistent_iterator(loader):
     """The iterator a DataLoader with persistent workers keeps between passes, or None. Its next
-    iter() resets it: the workers go on, seeded as they were, and no base seed is drawn. The one
-    place spbcast reads it: torch-internal ``DataLoader._iterator`` (torch 1.7 on; checked on
-    torch 2.9 and 2.13); where a torch has none, resuming such a loader warns."""
-    if isinstance(loader, torch.utils.data.DataLoader) and loader.persistent_workers and loader.num_workers > 0:
-        return getattr(loader, "_iterator", None)
-    return None
+    iter() resets it: the workers go on, seeded as they were, and no base seed is drawn."""
+    return getattr(loader, _PERSISTENT_ITERATOR, None) if _has_persistent_workers(loader) else None
+
+
+def shut_down_workers(iterator):
+    """Ends a DataLoader iterator's worker processes now (None: nothing). torch-internal, named
+    here only: the iterator's _shutdown_workers(); where a torch has none, dropping the iterator
+    ends them when it is collected."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if callable(shutdown):
+        shutdown()
 
 
 def keeps_workers(loader):
-    return (isinstance(loader, torch.utils.data.DataLoader) and loader.persistent_workers
-            and loader.num_workers > 0 and hasattr(loader, "_iterator"))
+    """A DataLoader with persistent workers whose iterator spbcast can see on this torch."""
+    return _has_persistent_workers(loader) and hasattr(loader, _PERSISTENT_ITERATOR)
 
 
 def sampler_of(loader):

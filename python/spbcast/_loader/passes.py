@@ -10,7 +10,7 @@ import time
 import torch
 
 from .generators import (counted, drawn, generator_states, mirror, persistent_iterator, replay_is_exact,
-                         set_generators)
+                         set_generators, shut_down_workers)
 from .resume import replaying, start_persistent_workers
 from .step_exchange import describe, envelope
 from ..errors import Error, loader_error, type_name
@@ -379,12 +379,7 @@ class Passes:
         return out
 
     def close(self):
-        # torch-internal, named here only: a DataLoader iterator's _shutdown_workers() and the
-        # DataLoader's _iterator (its persistent workers' iterator). Where a torch has neither,
-        # dropping the references below ends the workers when the iterator is collected.
         for it in (self.iter, persistent_iterator(self.loader)):
-            shutdown = getattr(it, "_shutdown_workers", None)
-            if callable(shutdown):
-                shutdown()
+            shut_down_workers(it)
         self.iter = self.loader = None
         self.pending = []

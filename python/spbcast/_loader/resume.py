@@ -18,6 +18,7 @@ from ..errors import Error, LoaderError, ResumeWarning
 # 2 added the pass index and the last set_epoch value; 3 the pass's generators; 4 whether the
 # pass reset persistent workers, whether the next one will, and the loader's own generators now.
 STATE_VERSION = 4
+STATE_VERSIONS = tuple(range(1, STATE_VERSION + 1))  # the versions load_state_dict reads
 
 
 def save_hook(loader, state_hooks):
@@ -133,7 +134,7 @@ class Resume:
     def decide(self, state, loader, length, has_load):
         """The position ``state`` holds (set now) and how the pass over ``loader`` (``length``
         batches, or -1) goes on; ``has_load``: the loader has a load hook."""
-        if not isinstance(state, dict) or state.get("version") not in (1, 2, 3, STATE_VERSION):
+        if not isinstance(state, dict) or state.get("version") not in STATE_VERSIONS:
             raise Error(self._where + ": load_state_dict got a state that LeaderLoader."
                         "state_dict did not write; pass the SP leader's state_dict()",
                         "invalid_argument")
@@ -160,12 +161,12 @@ class Resume:
             next_pass_generators=state.get("generators", {}) if at_pass_start and not own_state else {},
             pass_generators=state.get("pass_generators"), fetches_in_pass=state.get("fetches_in_pass", p.in_epoch),
             start_workers_first=resets_workers and keeps_workers(loader))
-        warnings_ = self._how_the_pass_goes_on(decision, state, loader, length)
+        warnings_ = self._how_the_pass_goes_on(decision, loader, length)
         warnings_ += self._what_is_not_restored(decision, loader, at_pass_start, resets_workers)
         decision.warning = "; and ".join(self._where + ": " + w for w in warnings_) or None
         return decision
 
-    def _how_the_pass_goes_on(self, decision, state, loader, length):
+    def _how_the_pass_goes_on(self, decision, loader, length):
         p = self.position
         if not self._per_pass and length > 0 and p.in_epoch >= length:
             # Saved right after an epoch's last batch: the continuous run ends that pass at its
@@ -177,10 +178,10 @@ class Resume:
         if decision.load_loader:
             return []
         decision.skip = p.in_epoch
-        generators = state.get("pass_generators")
+        generators = decision.pass_generators
         if decision.skip > 0 and generators is not None and replay_is_exact(loader):
             decision.replay_from = generators
-            decision.skip = state.get("fetches_in_pass", decision.skip)
+            decision.skip = decision.fetches_in_pass
             return []
         if decision.skip == 0:
             return []
@@ -201,10 +202,11 @@ class Resume:
         # The epoch the resumed run goes on in (after an epoch's last batch: the next one).
         resumed_epoch, resumed_pass = (p.epoch + 1, p.passes + 1) if p.in_epoch and at_pass_start \
             else (p.epoch, p.passes)
-        if not decision.load_loader and at_pass_start and resumed_pass > 0 and own_sampler(loader) is not None:
+        sampler = own_sampler(loader)
+        if not decision.load_loader and at_pass_start and resumed_pass > 0 and sampler is not None:
             found.append(
                 f"resuming at the start of epoch {resumed_epoch}: the sampler "
-                f"{type(own_sampler(loader)).__name__} is not one of torch's, and what it carries "
+                f"{type(sampler).__name__} is not one of torch's, and what it carries "
                 "from one pass to the next (its own generators, Python's or numpy's) is not "
                 "restored; give the loader state of its own (state_dict / load_state_dict, "
                 "torchdata's StatefulDataLoader) or state_hooks=, or silence "
