@@ -7,7 +7,9 @@ import re
 import subprocess
 import sysconfig
 
+import torch
 from setuptools import setup
+from setuptools.command.build_py import build_py
 from torch.utils.cpp_extension import BuildExtension, CppExtension, include_paths
 
 here = os.path.dirname(os.path.abspath(__file__))
@@ -20,9 +22,11 @@ if not os.path.isfile(os.path.join(include, "spbcast", "broadcast.hpp")):
 
 
 class Build(BuildExtension):
-    """Checks, before compiling, that every LibTorch header the source includes comes from this
-    torch: a system LibTorch in /usr/include (Debian's libtorch-dev) sits on the compiler's
-    default path, where a header missing from the wheel would be found silently."""
+    """Checks, before compiling, what the source includes: every LibTorch header from this torch
+    (a system LibTorch in /usr/include, Debian's libtorch-dev, sits on the compiler's default
+    path, where a header missing from the wheel would be found silently), and no Boost header -
+    the extension builds on the reflection-free core, so that torch and a C++20 compiler are all
+    it needs."""
 
     def build_extensions(self):
         compiler = os.environ.get("CXX", "c++").split()
@@ -36,7 +40,23 @@ class Build(BuildExtension):
         if foreign:
             raise SystemExit("spbcast: csrc/_C.cpp would include LibTorch headers from outside "
                              "this torch:\n  " + "\n  ".join(foreign[:5]))
+        boost = sorted(set(re.findall(r"\S*/boost/\S+", deps.stdout)))
+        if boost:
+            raise SystemExit("spbcast: csrc/_C.cpp would include Boost headers, which the Python "
+                             "package must build without:\n  " + "\n  ".join(boost[:5]))
         super().build_extensions()
+
+
+class BuildPy(build_py):
+    """Writes spbcast/_build_info.py: the torch the extension is compiled against, which
+    `import spbcast` compares with the torch it runs under before loading the extension."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "spbcast", "_build_info.py")
+        with open(target, "w") as f:
+            f.write("# Written by setup.py when the package was built.\n"
+                    f"BUILT_WITH_TORCH = {str(torch.__version__)!r}\n")
 
 
 setup(
@@ -48,5 +68,5 @@ setup(
             extra_compile_args=["-std=c++20", "-O2"],
         )
     ],
-    cmdclass={"build_ext": Build},
+    cmdclass={"build_ext": Build, "build_py": BuildPy},
 )

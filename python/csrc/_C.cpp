@@ -1,15 +1,16 @@
 // The C++ half of the Python package: Python values <-> the core's dynamic value
 // (c10::IValue), and spbcast::broadcast over the c10d group behind a torch.distributed group.
 //
-// Only the core headers are included (broadcast.hpp and what it pulls, and keep_alive.hpp);
-// dist.hpp, loader.hpp and spbcast.hpp name Gloo, whose headers a PyTorch wheel does not ship.
+// Only the reflection-free core is included: detail/orchestration/broadcast.hpp (spbcast::broadcast
+// without the struct kinds, so no Boost header; setup.py checks) and keep_alive.hpp. dist.hpp,
+// loader.hpp and spbcast.hpp name Gloo, whose headers a PyTorch wheel does not ship.
 //
 // The Python side (python/spbcast/_wire.py) has already turned the user's object into a tree of None,
 // bool, int, float, str, bytes, CPU tensors, lists, tuples and dicts with str or int keys, and
 // checked every value with its path; what reaches to_ivalue is only that vocabulary. The one
 // tagged form handled here is bytes: an IValue string cannot tell text from bytes, so bytes
 // travel as the tuple (TAG_BYTES, string) and come back as Python bytes.
-#include <spbcast/broadcast.hpp>
+#include <spbcast/detail/orchestration/broadcast.hpp>
 #include <spbcast/detail/orchestration/keep_alive.hpp>
 
 #include <torch/csrc/autograd/python_variable.h>

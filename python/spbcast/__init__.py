@@ -11,6 +11,10 @@ Followers rebuild only built-in kinds and the classes the program allows, on eve
 from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
+from . import _extension
+
+_extension.load()  # first: a clear error when the extension was built for another torch
+
 from ._broadcast import broadcast
 from ._C import receive_cache_statistics, set_receive_cache_limit
 from ._shared_memory import (close_same_host_channels, release_shared_memory, set_receive_cache_limits,
@@ -24,7 +28,10 @@ __all__ = ["broadcast", "LeaderLoader", "allow_classes", "allow_modules", "Error
            "SchemaError", "TransportError",
            "set_receive_cache_limit", "set_receive_cache_limits", "receive_cache_statistics", "shared_memory", "shared_memory_statistics",
            "set_shared_memory_limit", "set_shared_memory_limits", "release_shared_memory",
-           "close_same_host_channels"]
+           "close_same_host_channels", "built_with_torch"]
+
+# The torch the extension was compiled against (None: a source tree that setup.py did not build).
+built_with_torch = _extension.BUILT_WITH_TORCH
 
 try:
     __version__ = _version("spbcast")  # python/pyproject.toml's, as installed

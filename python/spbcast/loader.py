@@ -8,7 +8,7 @@ import time
 
 import torch.distributed as dist
 
-from . import _prefetch
+from . import _extension, _prefetch
 from ._broadcast import _group_and_root
 from ._loader import config
 from ._loader.generators import REPLAYABLE_SAMPLERS as _REPLAYABLE_SAMPLERS  # noqa: F401 - accelerate's
@@ -257,9 +257,10 @@ class LeaderLoader:
         "hierarchical", "network"; "local": no dedup), ``steps``, ``bytes``, ``loader_seconds``
         (the leader's), ``broadcast_seconds``, ``leader_loader_seconds`` (a follower: the leader's
         for the same steps), ``wait_seconds`` (what the trainer waited in next()), ``prefetch``,
-        ``prefetch_reason`` and ``prefetch_hits`` (docs/python.md says each)."""
+        ``prefetch_reason``, ``prefetch_hits`` and ``built_with_torch`` (docs/python.md says each)."""
         return dict(self._stats.counts, path=self._exchange.path(self._fetch_ahead.channel, self.dedup),
-                    prefetch=self.prefetch, prefetch_reason=self.prefetch_reason)
+                    prefetch=self.prefetch, prefetch_reason=self.prefetch_reason,
+                    built_with_torch=_extension.BUILT_WITH_TORCH)
 
     def prefetch_policy(self, requested):
         """On the leader, once its loader is built: ``(depth, why, state_mode)`` for ``prefetch=

@@ -37,7 +37,8 @@ def advance(generator, words):
 def _next_index(state):
     # CPUGeneratorImpl's serialized state (THGeneratorState, unchanged since LibTorch 1.x):
     # u64 initial seed, i32 left, i32 seeded, u64 next (the position in the block), ...
-    return int.from_bytes(state[16:24].numpy().tobytes(), "little")
+    # Read through tolist(), not numpy(): numpy is not a dependency of torch or of spbcast.
+    return int.from_bytes(bytes(state[16:24].tolist()), "little")
 
 
 def layout_known():
@@ -57,7 +58,7 @@ _LAYOUT_KNOWN = None
 
 
 def initial_seed(state):
-    return state[0:8].numpy().tobytes()
+    return bytes(state[0:8].tolist())
 
 
 def count_words(before, after):

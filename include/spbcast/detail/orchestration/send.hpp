@@ -4,11 +4,11 @@
 
 #include "../../error.hpp"
 #include "../../options.hpp"
-#include "../../schema.hpp"
 #include "../wire/bytes.hpp"
 #include "../transport/collective.hpp"
 #include "../wire/frame.hpp"
 #include "../transport/same_host.hpp"
+#include "../wire/schema_text.hpp"
 #include "../wire/send_plan.hpp"
 #include "../wire/value_codec.hpp"
 

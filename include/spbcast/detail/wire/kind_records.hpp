@@ -1,65 +1,23 @@
-// The kinds made of a fixed list of values: tuples and pairs, Boost.Hana Structs (named
-// fields) and Boost.PFR aggregates (positional fields), all sent as their elements in order
-// with no count (the contract: kind_traits.hpp).
+// The struct kinds, the reflection front end: Boost.Hana Structs (named fields) and Boost.PFR
+// aggregates (positional fields), each sent as its fields in order with no count (the contract:
+// kind_traits.hpp). They alone need Boost, so the core (kinds.hpp and everything a broadcast of
+// standard types, tensors and c10::IValue instantiates) does not include this header: the public
+// headers that reflect a user's type (schema.hpp, and through it broadcast.hpp and digest.hpp)
+// do, and the Python extension, which never reflects a C++ struct, builds without Boost.
 #pragma once
 
 #include "fields.hpp"
-#include "kind_traits.hpp"
+#include "kinds.hpp"
 #include "type_name.hpp"
 
 #include <boost/hana/concept/struct.hpp>
 
 #include <cstddef>
 #include <string>
-#include <tuple>
 #include <type_traits>
 #include <utility>
 
 namespace spbcast::detail {
-
-template <class T>
-concept tuple_like = is_specialization_of<T, std::tuple> || is_specialization_of<T, std::pair>;
-
-template <>
-struct kind_traits<kind::tuple> {
-    template <class T>
-    static constexpr bool matches = tuple_like<T>;
-    template <class T>
-    static constexpr void schema(schema_builder& out) {
-        out += "tuple<";
-        [&]<std::size_t... I>(std::index_sequence<I...>) {
-            append_schema_list<std::tuple_element_t<I, T>...>(out, ',');
-        }(std::make_index_sequence<std::tuple_size_v<T>>{});
-        out += '>';
-    }
-    template <class T>
-    static constexpr std::size_t min_bytes() {
-        return []<std::size_t... I>(std::index_sequence<I...>) {
-            return (std::size_t{0} + ... + min_wire_bytes<std::tuple_element_t<I, T>>());
-        }(std::make_index_sequence<std::tuple_size_v<T>>{});
-    }
-    template <class T>
-    static void encode(auto& out, const T& v) {
-        std::apply([&](const auto&... elements) { (out.value(elements), ...); }, v);
-    }
-    template <class T>
-    static void decode(auto& in, T& v) {
-        std::apply([&](auto&... elements) { (in.value(elements), ...); }, v);
-    }
-    // A braced initializer evaluates its elements left to right, the wire's order.
-    template <class T>
-    static T make(auto& in) {
-        return [&]<std::size_t... I>(std::index_sequence<I...>) {
-            return T{in.template make<std::tuple_element_t<I, T>>()...};
-        }(std::make_index_sequence<std::tuple_size_v<T>>{});
-    }
-    template <class T>
-    static void compare(auto& same, const T& a, const T& b, const std::string& path) {
-        [&]<std::size_t... I>(std::index_sequence<I...>) {
-            (same.check(std::get<I>(a), std::get<I>(b), path + "." + std::to_string(I)), ...);
-        }(std::make_index_sequence<std::tuple_size_v<T>>{});
-    }
-};
 
 // Hana Structs and aggregates differ only in how they match and in the field names a Hana
 // Struct's schema shows (fields.hpp reads both).
@@ -126,5 +84,10 @@ struct kind_traits<kind::aggregate> : record_traits {
     template <class T>
     static constexpr bool matches = std::is_aggregate_v<T> && std::is_class_v<T> && !std::is_union_v<T>;
 };
+
+// The whole table, now that the struct kinds are here too.
+static_assert([]<std::size_t... K>(std::index_sequence<K...>) {
+    return ((sizeof(kind_traits<static_cast<kind>(K)>) != 0) && ...);
+}(std::make_index_sequence<kind_count>{}), "spbcast: every kind has its kind_traits");
 
 }  // namespace spbcast::detail

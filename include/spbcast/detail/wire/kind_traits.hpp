@@ -48,15 +48,24 @@ enum class kind {
     map,          // std::map, std::unordered_map        kind_containers.hpp
     set,          // std::set, std::unordered_set        kind_containers.hpp
     sequence,     // std::vector, std::deque, std::list  kind_containers.hpp
-    tuple,        // std::pair, std::tuple               kind_records.hpp
+    tuple,        // std::pair, std::tuple               kind_tuples.hpp
     hana_struct,  // a Boost.Hana Struct: named fields   kind_records.hpp
     aggregate,    // a Boost.PFR aggregate: positional   kind_records.hpp
     unsupported,  // matches every type                  kinds.hpp
 };
 inline constexpr std::size_t kind_count = static_cast<std::size_t>(kind::unsupported) + 1;
 
+// Every kind specializes this. The primary template is reached only by a struct kind in a
+// translation unit built on the reflection-free core alone (kind_records.hpp is not included):
+// one clear error there instead of an incomplete type.
 template <kind K>
-struct kind_traits;
+struct kind_traits {
+    static_assert(K != K,
+                  "spbcast: this type is a struct, which spbcast reflects with Boost.PFR or Boost.Hana; "
+                  "include <spbcast/broadcast.hpp> (or <spbcast/schema.hpp>) rather than a detail header alone.");
+    template <class T>
+    static constexpr bool matches = false;
+};
 
 template <class T, kind K = kind{}>
 constexpr kind kind_of() {

@@ -1,13 +1,14 @@
-// Every kind's traits, and the dispatch to a type's kind. A new kind is an enumerator at its
-// priority in kind_traits.hpp, which also says which file holds which kind's traits, and its
-// traits in one of the files included here.
+// Every kind's traits but the struct kinds', and the dispatch to a type's kind. A new kind is an
+// enumerator at its priority in kind_traits.hpp, which also says which file holds which kind's
+// traits, and its traits in one of the files included here - or, for a kind that needs
+// reflection, in kind_records.hpp (the reflection front end, which the core does not include).
 #pragma once
 
 #include "ivalue_codec.hpp"
 #include "kind_containers.hpp"
-#include "kind_records.hpp"
 #include "kind_scalars.hpp"
 #include "kind_traits.hpp"
+#include "kind_tuples.hpp"
 #include "kind_wrappers.hpp"
 
 #include <cstddef>
@@ -33,10 +34,6 @@ struct kind_traits<kind::unsupported> {
     template <class T>
     static void compare(auto&, const T&, const T&, const std::string&) {}
 };
-
-static_assert([]<std::size_t... K>(std::index_sequence<K...>) {
-    return ((sizeof(kind_traits<static_cast<kind>(K)>) != 0) && ...);
-}(std::make_index_sequence<kind_count>{}), "spbcast: every kind has its kind_traits");
 
 template <class T>
 constexpr void append_schema(schema_builder& out) {
