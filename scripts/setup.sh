@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Installs everything spbcast needs on a fresh Debian 12 machine, by package name:
 # the tool chain, Boost >= 1.81 (PFR, Hana), doctest, the distribution's LibTorch with Gloo,
-# libjpeg-turbo (the demo), and two virtual environments, each with torchdata and - where
-# ../shared/wheels/xtuner-*.whl or $SPBCAST_XTUNER_WHEEL provides it - XTuner v1, and the Python
+# libjpeg-turbo (the demo), and two virtual environments, each with torchdata and the Python
 # package built against its torch: the main one with the PyTorch 2.13.0 CPU wheel (the second
-# LibTorch generation, and the Python peers of the benchmarks), and the reference one with the
-# reference PR's PyTorch 2.9.1 (the Python package's tests on a second torch).
+# LibTorch generation, the Python peers of the benchmarks, the drop-ins' trainers), and the
+# reference one with the reference PR's PyTorch 2.9.1 (the Python package's tests on a second
+# torch). Where ../shared/wheels/xtuner-*.whl or $SPBCAST_XTUNER_WHEEL provides XTuner v1, each
+# environment gets an XTuner overlay beside it (<venv>-xtuner: XTuner and what it brings, over
+# the environment's own packages), so that the environment itself holds only what spbcast's
+# tests declare and a test that leans on something XTuner brings fails (docs/building.md).
 # Idempotent: a second run checks and returns in seconds.
 #   ./scripts/setup.sh                       everything
 #   ./scripts/setup.sh --no-python-package   all but the Python package (.ci/run: test.sh builds
@@ -54,10 +57,18 @@ fi
 # v1 and its data pipeline's dependencies. populate_venv VENV TORCH_VERSION.
 populate_venv() {
     local VENV="$1" TORCH_WHEEL_VERSION="$2"
+    # An environment of the earlier layout held XTuner itself, which would hide what a test
+    # needs from it: made anew (torch comes from pip's cache).
+    if [ -x "$VENV/bin/python" ] && [ ! -f "$VENV/.spbcast-layout-2" ] \
+        && "$VENV/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("xtuner") is None)'; then
+        echo "setup: $VENV holds XTuner (the earlier layout): making it anew"
+        rm -rf "$VENV" "$VENV-xtuner"
+    fi
     if [ ! -x "$VENV/bin/python" ]; then
         echo "setup: creating $VENV"
         python3 -m venv "$VENV"
     fi
+    touch "$VENV/.spbcast-layout-2"
     # A package's installed version from its metadata, empty if absent (importing torch to ask
     # would take seconds, on every run of every script that starts here).
     version_of() {
@@ -87,42 +98,14 @@ except m.PackageNotFoundError: pass' "$1"
         echo "setup: installing torchdata into $VENV"
         "$VENV/bin/pip" install -q -c "$constraint" torchdata
     fi
-    # XTuner v1 for the integration tests (python/tests/test_xtuner.py), from a wheel: the one
-    # SPBCAST_XTUNER_WHEEL names, or ../shared/wheels/xtuner-*.whl beside the repository (built from
-    # XTuner's GitHub main; PyPI's xtuner is the older code without xtuner/v1). The wheel and
-    # mmengine without their dependencies (they would pull GPU kernels, OpenCV and matplotlib),
-    # then the pure-Python ones its data pipeline needs on a CPU machine (../shared/wheels/README.md).
-    xtuner_wheel="${SPBCAST_XTUNER_WHEEL:-}"
-    if [ -z "$xtuner_wheel" ]; then
-        for w in "$(dirname "$0")"/../../shared/wheels/xtuner-*.whl; do
-            [ -f "$w" ] && xtuner_wheel="$w"
-        done
-    fi
-    if [ -n "$xtuner_wheel" ]; then
-        [ -f "$xtuner_wheel" ] || { echo "setup: SPBCAST_XTUNER_WHEEL=$xtuner_wheel is not a file"; exit 1; }
-        xtuner_stamp="$VENV/.spbcast-xtuner-wheel"
-        xtuner_sum="$(sha256sum "$xtuner_wheel" | cut -d' ' -f1)"
-        xtuner_deps=(addict termcolor pyyaml rich loguru "transformers==5.14.1" "datasets<4"
-                     "fsspec<=2025.3.0" xxhash pillow cyclopts
-                     einops more-itertools)  # the last two: XTuner's Trainer (test_xtuner_trainer.py)
-        if [ -f "$xtuner_stamp" ] && [ "$(cat "$xtuner_stamp")" = "$xtuner_sum" ] \
-            && [ -n "$(version_of mmengine)" ] && [ -n "$(version_of transformers)" ] \
-            && [ -n "$(version_of datasets)" ] && [ -n "$(version_of cyclopts)" ] \
-            && [ -n "$(version_of einops)" ] && [ -n "$(version_of more-itertools)" ]; then
-            echo "setup: XTuner v1 ($(basename "$xtuner_wheel")) present in $VENV"
-        else
-            echo "setup: installing XTuner v1 from $xtuner_wheel and its data pipeline's dependencies into $VENV"
-            "$VENV/bin/pip" install -q --no-deps "$xtuner_wheel" "mmengine==0.11.0rc2"
-            "$VENV/bin/pip" install -q -c "$constraint" "${xtuner_deps[@]}"
-            echo "$xtuner_sum" > "$xtuner_stamp"
-        fi
-    fi
     # The drop-ins' trainers, at the versions their tests are proven against (the main environment
-    # only): Hugging Face accelerate (transformers' Trainer is XTuner's pin above) and
-    # Megatron-Energon. fsspec stays at XTuner's datasets' bound (s3fs follows it).
+    # only): Hugging Face accelerate and transformers (its Trainer; XTuner's pin, so that the
+    # overlay adds none of its own) and Megatron-Energon. fsspec stays at XTuner's datasets' bound
+    # (s3fs follows it).
     if [ "$VENV" = "$MAIN_VENV" ]; then
-        dropins=("accelerate==1.15.0" "megatron-energon==7.4.1")
-        if [ "$(version_of accelerate)" != "1.15.0" ] || [ "$(version_of megatron-energon)" != "7.4.1" ]; then
+        dropins=("accelerate==1.15.0" "transformers==5.14.1" "megatron-energon==7.4.1")
+        if [ "$(version_of accelerate)" != "1.15.0" ] || [ "$(version_of transformers)" != "5.14.1" ] \
+            || [ "$(version_of megatron-energon)" != "7.4.1" ]; then
             echo "setup: installing ${dropins[*]} into $VENV"
             printf 'fsspec<=2025.3.0\n' > "$VENV/.spbcast-dropins-constraint.txt"
             "$VENV/bin/pip" install -q -c "$constraint" -c "$VENV/.spbcast-dropins-constraint.txt" "${dropins[@]}"
@@ -132,8 +115,51 @@ except m.PackageNotFoundError: pass' "$1"
     fi
 }
 
+# XTuner v1 for its integration tests (python/tests/test_xtuner*.py), in an overlay beside VENV:
+# a virtual environment of its own whose .pth file puts VENV's packages on its path, so it sees
+# VENV's torch and spbcast while what XTuner brings stays out of VENV. From a wheel: the one
+# SPBCAST_XTUNER_WHEEL names, or ../shared/wheels/xtuner-*.whl beside the repository (built from
+# XTuner's GitHub main; PyPI's xtuner is the older code without xtuner/v1). The wheel and mmengine
+# without their dependencies (they would pull GPU kernels, OpenCV and matplotlib), then the
+# pure-Python ones its data pipeline needs on a CPU machine (../shared/wheels/README.md).
+# populate_xtuner_overlay VENV.
+populate_xtuner_overlay() {
+    local VENV="$1" OVERLAY="$1-xtuner"
+    local xtuner_wheel="${SPBCAST_XTUNER_WHEEL:-}"
+    if [ -z "$xtuner_wheel" ]; then
+        for w in "$(dirname "$0")"/../../shared/wheels/xtuner-*.whl; do
+            [ -f "$w" ] && xtuner_wheel="$w"
+        done
+    fi
+    if [ -z "$xtuner_wheel" ]; then
+        echo "setup: no XTuner v1 wheel (../shared/wheels/xtuner-*.whl or SPBCAST_XTUNER_WHEEL): its tests will skip"
+        return
+    fi
+    [ -f "$xtuner_wheel" ] || { echo "setup: SPBCAST_XTUNER_WHEEL=$xtuner_wheel is not a file"; exit 1; }
+    if [ ! -x "$OVERLAY/bin/python" ]; then
+        echo "setup: creating the XTuner overlay $OVERLAY"
+        python3 -m venv "$OVERLAY"
+        "$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+            > "$("$OVERLAY/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/spbcast-base.pth"
+    fi
+    local xtuner_stamp="$OVERLAY/.spbcast-xtuner-wheel" xtuner_sum
+    xtuner_sum="$(sha256sum "$xtuner_wheel" | cut -d' ' -f1)"
+    if [ -f "$xtuner_stamp" ] && [ "$(cat "$xtuner_stamp")" = "$xtuner_sum" ]; then
+        echo "setup: XTuner v1 ($(basename "$xtuner_wheel")) present in $OVERLAY"
+        return
+    fi
+    local xtuner_deps=(addict termcolor pyyaml rich loguru "transformers==5.14.1" "datasets<4"
+                       "fsspec<=2025.3.0" xxhash pillow cyclopts
+                       einops more-itertools)  # the last two: XTuner's Trainer (test_xtuner_trainer.py)
+    echo "setup: installing XTuner v1 from $xtuner_wheel and its data pipeline's dependencies into $OVERLAY"
+    "$OVERLAY/bin/pip" install -q --no-deps "$xtuner_wheel" "mmengine==0.11.0rc2"
+    "$OVERLAY/bin/pip" install -q -c "$VENV/.spbcast-torch-constraint.txt" "${xtuner_deps[@]}"
+    echo "$xtuner_sum" > "$xtuner_stamp"
+}
+
 if [ "$which" != reference ]; then
     populate_venv "$MAIN_VENV" "$TORCH_WHEEL_VERSION"
+    populate_xtuner_overlay "$MAIN_VENV"
     [ "$python_package" = no ] || SPBCAST_VENV="$MAIN_VENV" "$(dirname "$0")/python_package.sh"
 fi
 if [ "$which" != main ]; then
@@ -142,6 +168,7 @@ if [ "$which" != main ]; then
     exec 9> "$REFERENCE_VENV.lock"
     flock 9
     populate_venv "$REFERENCE_VENV" "$REFERENCE_TORCH_VERSION"
+    populate_xtuner_overlay "$REFERENCE_VENV"
     [ "$python_package" = no ] || SPBCAST_VENV="$REFERENCE_VENV" "$(dirname "$0")/python_package.sh"
 fi
 echo "setup: done"

@@ -33,6 +33,7 @@ def skip_without_xtuner():
     reason = unavailable()
     return pytest.mark.skipif(
         reason is not None,
-        reason=f"XTuner v1 is not importable here ({reason}); install it with ./scripts/setup.sh, which "
-               "installs ../shared/wheels/xtuner-*.whl or $SPBCAST_XTUNER_WHEEL and its pure-Python "
-               "dependencies (docs/xtuner.md)")
+        reason=f"XTuner v1 is not importable here ({reason}); ./scripts/setup.sh installs "
+               "../shared/wheels/xtuner-*.whl or $SPBCAST_XTUNER_WHEEL with its pure-Python dependencies "
+               "into an overlay beside the environment, <venv>-xtuner, and ./scripts/test.sh runs these "
+               "tests there (docs/building.md)")
