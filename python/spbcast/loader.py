@@ -8,8 +8,9 @@ import time
 
 import torch.distributed as dist
 
-from . import _extension, _prefetch
+from . import _prefetch
 from ._broadcast import _group_and_root
+from ._extension import BUILT_WITH_TORCH
 from ._loader import config
 from ._loader.generators import REPLAYABLE_SAMPLERS as _REPLAYABLE_SAMPLERS  # noqa: F401 - accelerate's
 from ._loader.passes import END, Passes, Steps
@@ -253,14 +254,12 @@ class LeaderLoader:
         return decision.warning
 
     def stats(self):
-        """What the loop's broadcasts did on this rank, so far: ``path`` ("same_host",
-        "hierarchical", "network"; "local": no dedup), ``steps``, ``bytes``, ``loader_seconds``
-        (the leader's), ``broadcast_seconds``, ``leader_loader_seconds`` (a follower: the leader's
-        for the same steps), ``wait_seconds`` (what the trainer waited in next()), ``prefetch``,
-        ``prefetch_reason``, ``prefetch_hits`` and ``built_with_torch`` (docs/python.md says each)."""
+        """What the loop's broadcasts did on this rank, so far (docs/python.md says each): ``path``
+        ("same_host", "hierarchical", "network"; "local": no dedup), ``steps``, ``bytes``, ``loader_seconds``
+        (the leader's), ``broadcast_seconds``, ``leader_loader_seconds`` (a follower: the leader's for the
+        same steps), ``wait_seconds``, ``prefetch``, ``prefetch_reason``, ``prefetch_hits``, ``built_with_torch``."""
         return dict(self._stats.counts, path=self._exchange.path(self._fetch_ahead.channel, self.dedup),
-                    prefetch=self.prefetch, prefetch_reason=self.prefetch_reason,
-                    built_with_torch=_extension.BUILT_WITH_TORCH)
+                    prefetch=self.prefetch, prefetch_reason=self.prefetch_reason, built_with_torch=BUILT_WITH_TORCH)
 
     def prefetch_policy(self, requested):
         """On the leader, once its loader is built: ``(depth, why, state_mode)`` for ``prefetch=
