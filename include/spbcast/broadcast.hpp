@@ -14,7 +14,7 @@
 #include "detail/transport/group_state.hpp"
 #include "detail/orchestration/receive.hpp"
 #include "detail/orchestration/send.hpp"
-#include "detail/transport/shm_channel.hpp"
+#include "detail/transport/handshake.hpp"
 #include "error.hpp"
 #include "group.hpp"
 #include "options.hpp"

@@ -10,6 +10,8 @@
 #include "../transport/collective.hpp"
 #include "../transport/receive_cache.hpp"
 #include "../wire/frame.hpp"
+#include "../transport/handshake.hpp"
+#include "../transport/relay.hpp"
 #include "../transport/same_host.hpp"
 #include "../wire/receive_plan.hpp"
 #include "../wire/value_codec.hpp"

@@ -8,6 +8,7 @@
 #include "../wire/bytes.hpp"
 #include "../transport/collective.hpp"
 #include "../wire/frame.hpp"
+#include "../transport/relay.hpp"
 #include "../transport/same_host.hpp"
 #include "../wire/send_plan.hpp"
 #include "../wire/value_codec.hpp"
