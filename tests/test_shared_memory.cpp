@@ -1,6 +1,7 @@
-// The same-host path (include/spbcast/detail/shm_*.hpp, same_host.hpp): real processes over a
-// real Gloo group on 127.0.0.1 (tests/shm_worker.cpp), real SIGKILLs, real descriptors; and
-// the follower's checks of a segment it is handed, over a real socket.
+// The same-host path (include/spbcast/detail/transport/: shm_*.hpp, same_host.hpp, relay.hpp and
+// the sockets, links and handshake under them): real processes over a real Gloo group on
+// 127.0.0.1 (tests/shm_worker.cpp), real SIGKILLs, real descriptors; and the follower's checks of
+// a segment it is handed, over a real socket.
 #include "support/counting_group.hpp"
 #include "support/fixtures.hpp"
 #include "support/processes.hpp"

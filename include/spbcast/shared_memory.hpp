@@ -4,7 +4,7 @@
 #pragma once
 
 #include "detail/transport/shm_allocator.hpp"
-#include "detail/transport/shm_channel.hpp"
+#include "detail/transport/same_host_registry.hpp"
 #include "detail/transport/shm_pool.hpp"
 
 #include <algorithm>

@@ -4,7 +4,7 @@
 #pragma once
 
 #include "../../options.hpp"
-#include "../transport/shm_channel.hpp"
+#include "../transport/same_host_registry.hpp"
 #include "../wire/send_plan.hpp"
 #include "../wire/value_codec.hpp"
 

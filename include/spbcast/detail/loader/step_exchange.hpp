@@ -10,7 +10,7 @@
 #include "../../rng_mirror.hpp"
 #include "../../shared_memory.hpp"
 #include "../base/exception_text.hpp"
-#include "../transport/shm_channel.hpp"
+#include "../transport/same_host_registry.hpp"
 #include "patience.hpp"
 #include "stats.hpp"
 

@@ -10,7 +10,7 @@
 #include "../../shared_memory.hpp"
 #include "../transport/collective.hpp"
 #include "../transport/group_state.hpp"
-#include "../transport/shm_channel.hpp"
+#include "../transport/handshake.hpp"
 #include "receive.hpp"
 #include "send.hpp"
 

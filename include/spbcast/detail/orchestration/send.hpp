@@ -7,6 +7,7 @@
 #include "../wire/bytes.hpp"
 #include "../transport/collective.hpp"
 #include "../wire/frame.hpp"
+#include "../transport/relay.hpp"
 #include "../transport/same_host.hpp"
 #include "../wire/schema_text.hpp"
 #include "../wire/send_plan.hpp"

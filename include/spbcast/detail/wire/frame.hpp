@@ -19,7 +19,7 @@ inline constexpr std::uint16_t format_version = 8;
 inline constexpr std::size_t inline_frame_bytes = 8192;  // header + first body bytes
 
 // keep_alive: the root is still producing its batch; the real frame follows (keep_alive.hpp).
-// same_host_offer: the first message of the same-host handshake (shm_channel.hpp), shaped like a
+// same_host_offer: the first message of the same-host handshake (handshake.hpp), shaped like a
 // frame so that a follower receives it after any keep-alive frames, as it would a frame.
 enum class frame_status : std::uint16_t { ok = 0, error = 1, keep_alive = 2, same_host_offer = 3 };
 // payload_checksums: the root sends a checksum per transferred slot (in the status trailer, or
@@ -29,7 +29,7 @@ enum class frame_status : std::uint16_t { ok = 0, error = 1, keep_alive = 2, sam
 // and this batch and every later one take the network path (every rank ends it here).
 // relayed: the layout's segments are the root's; after the frame their used bytes move in
 // chunks along a chain of host leaders (point to point, each forwarding what lands), and each
-// leader hands its own copy to its host (same_host.hpp: relay). Bits 3-4 carry the root's options.transport (transport_flag), which
+// leader hands its own copy to its host (relay.hpp). Bits 3-4 carry the root's options.transport (transport_flag), which
 // followers check.
 enum frame_flags : std::uint32_t { payload_checksums = 1, shared_segment = 2, same_host_closed = 4, relayed = 32 };
 
