@@ -8,7 +8,7 @@ import time
 
 import torch.distributed as dist
 
-from . import _prefetch
+from . import _prefetch_channel
 from ._broadcast import _group_and_root
 from ._loader import config
 from ._loader.generators import REPLAYABLE_SAMPLERS as _REPLAYABLE_SAMPLERS  # noqa: F401 - accelerate's
@@ -134,7 +134,7 @@ class LeaderLoader:
         self._fetch_ahead.start(init["prefetch"], init["prefetch_reason"], state_mode, self.group,
                                 self.root_wait, self.rank)
         if self.prefetch:
-            _prefetch.close_at_exit(self)
+            _prefetch_channel.close_at_exit(self)
 
     is_leader = property(lambda self: self.sp_rank == 0)
     loader = property(lambda self: self._passes.loader, doc="The loader (None on dedup followers).")

@@ -15,7 +15,7 @@ the same names (include/spbcast/detail/loader/<part>.hpp); docs/internals.md map
 - passes: when a pass starts and ends, set_epoch, the fetch loop, the words each call into the
   loader draws, the leader's work deferred to its next fetch, carrying out a resume.
 - prefetch: the loader's side of prefetch (policy, in-flight jobs, settle / drop, the
-  followers' receiving thread); the thread and the channel are spbcast/_prefetch.py.
+  followers' receiving thread); the channel and its thread are spbcast/_prefetch_channel.py.
 
 A part imports only parts before it in this order (python/tests/test_loader_parts.py holds it):
 

@@ -1,6 +1,7 @@
 """The loader's side of prefetch: which depth (the policy), the leader's steps in flight on the
 prefetch thread, settling and dropping them, and a follower's thread receiving envelopes. The
-thread and the channel (a Gloo group of the SP ranks of the loader's own) are ../_prefetch.py.
+channel (a Gloo group of the SP ranks of the loader's own) and its thread are
+../_prefetch_channel.py.
 
 With prefetch, every step's envelope travels on the channel, in one order on every rank. The
 leader's trainer thread, after taking step t, submits the fetch and broadcast of t + 1 .. t +
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from .. import _prefetch
+from .. import _prefetch_channel
 from ..errors import Error, loader_error, type_name
 from .generators import REPLAYABLE_SAMPLERS, sampler_of
 from .passes import END
@@ -94,8 +95,8 @@ class Prefetch:
         """Every SP rank, at the same point (the channel is a group of the SP ranks)."""
         self.depth, self.reason, self.state_mode = depth, reason, state_mode
         if depth:
-            self.channel = _prefetch.channel(group, root_wait)
-            self._thread = _prefetch.Prefetcher(f"spbcast prefetch (rank {rank})")
+            self.channel = _prefetch_channel.channel(group, root_wait)
+            self._thread = _prefetch_channel.PrefetchThread(f"spbcast prefetch (rank {rank})")
 
     def take(self):
         """The leader: the outcome of the next step fetched ahead, or None where the trainer's
@@ -249,7 +250,7 @@ class Prefetch:
         except Exception:  # noqa: BLE001 - closing: a peer gone already is no error of close's
             pass
         if self._thread.stop(wait):
-            _prefetch.release(self.channel)
+            _prefetch_channel.release(self.channel)
 
     def stop_thread(self):
         """The loader collected: its thread ends once its jobs are done (no message to peers)."""
