@@ -80,8 +80,9 @@ class Prefetch:
     loader's own state is taken with batches in flight (``state_mode``, see
     LeaderLoader.prefetch_policy)."""
 
-    def __init__(self, passes, exchange, patience, stats, *, where, is_leader):
-        self._passes, self._exchange, self._patience, self._stats = passes, exchange, patience, stats
+    def __init__(self, passes, calls, exchange, patience, stats, *, where, is_leader):
+        self._passes, self._calls, self._exchange = passes, calls, exchange
+        self._patience, self._stats = patience, stats
         self._where, self._is_leader = where, is_leader
         self.depth, self.reason, self.state_mode = 0, "sp_media_dedup is off", None
         self.channel = self._thread = None
@@ -209,13 +210,13 @@ class Prefetch:
         """The loader's own state as of the last step taken: with batches prefetched, taken back
         by them (``rewound``: LeaderLoader.rewound, where state_mode is "rewind")."""
         outcomes = [job.result() for job in self._in_flight]
-        passes = self._passes
+        calls = self._calls
         if not outcomes:
-            return passes.outside_step("taking the loader's state", lambda: save(*args, **kwargs))
+            return calls.outside_step("taking the loader's state", lambda: save(*args, **kwargs))
         if self.state_mode == "rewind":
             batches = [o["batch"] for o in outcomes if o["batch"] is not None]
             with rewound(batches):
-                state = passes.outside_step("taking the loader's state", lambda: save(*args, **kwargs))
+                state = calls.outside_step("taking the loader's state", lambda: save(*args, **kwargs))
         elif args or kwargs:
             raise Error(self._where + ": the loader's state was asked for with arguments while "
                         "batches are prefetched; spbcast took it before the first of them without "
@@ -227,9 +228,9 @@ class Prefetch:
                 raise loader_error(self._where + f": taking the loader's state raised "
                                    f"{type_name(type(state))}: {state}", type_name(type(state)),
                                    str(state), type(state)) from state
-        if passes.carried_words:
+        if calls.carried_words:
             raise Error(self._where + f": the loader's calls outside the steps drew "
-                        f"{passes.carried_words} words from the default CPU generator while batches "
+                        f"{calls.carried_words} words from the default CPU generator while batches "
                         "were prefetched: the followers cannot mirror them at their step; pass "
                         "prefetch=0 for this loader", "loader")
         return state
