@@ -46,7 +46,7 @@ class Passes:
     (leader_calls.LeaderCalls)."""
 
     def __init__(self, position, calls, *, where, per_pass, total_epoch, total_step, epoch_for_pass):
-        self.position, self.calls, self._where = position, calls, where
+        self.position, self._calls, self._where = position, calls, where
         self.per_pass, self.total_epoch, self.total_step = per_pass, total_epoch, total_step
         self._epoch_for_pass = epoch_for_pass  # pass index -> set_epoch value; None: the trainer's
         self.loader = None
@@ -73,7 +73,7 @@ class Passes:
         before = torch.get_rng_state() if counted else None
         self.loader = make()
         if counted:
-            words[0] = self.calls.words(before, "building the loader")
+            words[0] = self._calls.words(before, "building the loader")
         length = self.length()
         self.start(words)
         return (words[0] if counted else 0), length
@@ -89,12 +89,12 @@ class Passes:
         step; ``channel``: the prefetch's, or None: the steps travel on ``group``), and its own
         exception if the fetch raised."""
         sent, failure, started = envelope("step", 0, 0), None, time.monotonic()
-        words = [self.calls.take_carried_words()]
+        words = [self._calls.take_carried_words()]
         try:
             # While the leader fetches, the followers wait in the broadcast that follows:
             # keep-alive frames tell them it is still working.
             with patience.still_working(channel if channel is not None else group):
-                self.calls.run_pending(words)
+                self._calls.run_pending(words)
                 with exchange.fetching_in_shared_memory(channel):
                     batch = self.fetch(words)
             sent["done"] = batch is END
@@ -157,7 +157,7 @@ class Passes:
             self.pass_generators = generator_states(self.loader)
             self.fetches_in_pass = 0
             self.pass_resets_workers = persistent_iterator(self.loader) is not None
-            self.iter = self.calls.counted(words, "creating the loader's iterator", iter, self.loader)
+            self.iter = self._calls.counted(words, "creating the loader's iterator", iter, self.loader)
 
     def _next_batch(self, words):
         try:
@@ -165,7 +165,7 @@ class Passes:
                 self.pass_ended = False
                 batch = END
             else:
-                batch = self.calls.counted(words, "fetching a batch", next, self.iter, END)
+                batch = self._calls.counted(words, "fetching a batch", next, self.iter, END)
         except Exception:
             self.fetches_in_pass += 1  # a fetch that raised took its samples all the same
             raise
@@ -198,7 +198,7 @@ class Passes:
         """The iterator and the step of a fetch ahead of the ``in_flight`` ones, or None where
         nothing may be fetched ahead: the pass or the run ends, or something is due on the
         trainer's thread first (its calls between steps, a resume still to apply)."""
-        if (self.iter is None or self.pass_ended or self.finished or self.calls.due()
+        if (self.iter is None or self.pass_ended or self.finished or self._calls.due()
                 or self.skip or self.replay_from is not None or self.end_of_epoch_pending
                 or (self.total_step is not None and self.position.step + in_flight >= self.total_step)):
             return None
@@ -226,12 +226,12 @@ class Passes:
             if decision.reapply is not None:
                 self.set_epoch(decision.reapply, words)
             if decision.load_loader:
-                self.calls.counted(words, "restoring the loader's state", load, decision.loader_state)
+                self._calls.counted(words, "restoring the loader's state", load, decision.loader_state)
             set_generators(self.loader, decision.next_pass_generators)
 
-        self.calls.leader_work("load_state_dict", restore)
+        self._calls.leader_work("load_state_dict", restore)
         if decision.end_epoch:
-            self.calls.leader_work("starting the next epoch", self.end_pass)
+            self._calls.leader_work("starting the next epoch", self.end_pass)
         self.skip, self.end_of_epoch_pending = decision.skip, decision.end_of_epoch_pending
         if decision.replay_from is not None:
             self.replay_from = decision.replay_from
@@ -276,7 +276,7 @@ class Passes:
                        getattr(self.loader, "batch_sampler", None),
                        getattr(getattr(self.loader, "batch_sampler", None), "sampler", None)):
             if target is not None and hasattr(target, "set_epoch"):
-                self.calls.counted(words, f"calling set_epoch({epoch!r}) on the loader", target.set_epoch, epoch)
+                self._calls.counted(words, f"calling set_epoch({epoch!r}) on the loader", target.set_epoch, epoch)
                 return
 
     # ---- resuming a pass ------------------------------------------------------------------------
@@ -308,7 +308,7 @@ class Passes:
         pass without another."""
         if (self.iter is not None and not self.per_pass and 0 < length <= self.position.in_epoch
                 and not self.pass_ended and replay_is_exact(self.loader)):
-            batch = self.calls.outside_step("ending the pass", lambda: next(self.iter, END))
+            batch = self._calls.outside_step("ending the pass", lambda: next(self.iter, END))
             if batch is not END:
                 raise Error(self._where + f": the DataLoader yielded a batch past its len() "
                             f"({length}) in epoch {self.position.epoch}; spbcast cannot save its "
@@ -319,4 +319,4 @@ class Passes:
         for it in (self.iter, persistent_iterator(self.loader)):
             shut_down_workers(it)
         self.iter = self.loader = None
-        self.calls.drop_pending()
+        self._calls.drop_pending()
