@@ -31,8 +31,9 @@ from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard, Seedab
 from accelerate.utils import DistributedType
 
 from ._broadcast import _group_timeout
+from ._loader.generators import REPLAYABLE_SAMPLERS
 from .errors import Error
-from .loader import _REPLAYABLE_SAMPLERS, LeaderLoader
+from .loader import LeaderLoader
 
 __all__ = ["enable", "stats"]
 
@@ -260,7 +261,7 @@ class _AccelerateLeaderLoader(LeaderLoader):
                        "to enable() if they do not)"), None
         sampler = _innermost_sampler(real)
         if not (isinstance(real.dataset, torch.utils.data.IterableDataset)
-                or type(sampler) in _REPLAYABLE_SAMPLERS + (SeedableRandomSampler,)):
+                or type(sampler) in REPLAYABLE_SAMPLERS + (SeedableRandomSampler,)):
             return 0, (f"the sampler {type(sampler).__name__} is not one of torch's or accelerate's, "
                        "and it runs in this process at every fetch (pass prefetch=1 to enable() if "
                        "it draws nothing from the default CPU generator)"), None

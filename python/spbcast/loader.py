@@ -8,11 +8,11 @@ import time
 
 import torch.distributed as dist
 
-from . import _prefetch
+from . import _prefetch_channel
 from ._broadcast import _group_and_root
 from ._extension import BUILT_WITH_TORCH
 from ._loader import config
-from ._loader.generators import REPLAYABLE_SAMPLERS as _REPLAYABLE_SAMPLERS  # noqa: F401 - accelerate's
+from ._loader.leader_calls import LeaderCalls
 from ._loader.passes import END, Passes, Steps
 from ._loader.patience import Patience
 from ._loader.prefetch import Prefetch, default_policy
@@ -114,12 +114,12 @@ class LeaderLoader:
         self._exchange = StepExchange(self.group, self._leader, rank=self.rank, is_leader=self.is_leader, where=where,
                                       options=options, allocate_in_shared_memory=self.leader_allocates_in_shared_memory)
         self._stats = Stats(where, self.is_leader, self.is_leader or not self.dedup, log_every, log)
-        self._passes = Passes(position, where=where, dedup=self.dedup, per_pass=self.per_pass,
-                              total_epoch=self.total_epoch, total_step=self.total_step,
-                              epoch_for_pass=epoch_for_pass)
+        self._calls = LeaderCalls(where, self.dedup)
+        self._passes = Passes(position, self._calls, where=where, per_pass=self.per_pass, total_epoch=self.total_epoch,
+                              total_step=self.total_step, epoch_for_pass=epoch_for_pass)
         self._resume = Resume(position, where=where, per_pass=self.per_pass)
-        self._fetch_ahead = Prefetch(self._passes, self._exchange, self._patience, self._stats, where=where,
-                                     is_leader=self.is_leader)
+        self._fetch_ahead = Prefetch(self._passes, self._calls, self._exchange, self._patience, self._stats,
+                                     where=where, is_leader=self.is_leader)
 
     def _init_group(self, make, prefetch):
         def build(init):  # the leader's part of loader_init: building may take longer than timeout
@@ -130,12 +130,12 @@ class LeaderLoader:
 
         init, state_mode = self._exchange.loader_init(build)
         if not self.is_leader:
-            self._passes.mirror(init["words"], self._leader)
+            self._calls.mirror(init["words"], self._leader)
         self.length = init["length"]
         self._fetch_ahead.start(init["prefetch"], init["prefetch_reason"], state_mode, self.group,
                                 self.root_wait, self.rank)
         if self.prefetch:
-            _prefetch.close_at_exit(self)
+            _prefetch_channel.close_at_exit(self)
 
     is_leader = property(lambda self: self.sp_rank == 0)
     loader = property(lambda self: self._passes.loader, doc="The loader (None on dedup followers).")
@@ -182,8 +182,8 @@ class LeaderLoader:
                         "invalid_argument")
         self.epoch = epoch
         if self.loader is not None:
-            self._passes.leader_work(f"calling the loader's set_epoch({epoch!r})",
-                                     lambda words, passes=self._passes: passes.set_epoch(epoch, words))
+            self._calls.leader_work(f"calling the loader's set_epoch({epoch!r})",
+                                    lambda words, passes=self._passes: passes.set_epoch(epoch, words))
 
     def close(self):
         """Stops what the loader started on this rank: its iterator (a DataLoader's worker
@@ -223,7 +223,7 @@ class LeaderLoader:
         if self.loader is None:
             return {}
         self._fetch_ahead.settle()  # the prefetched fetches are done: the loader is not in use
-        self._passes.run_pending_outside_step()
+        self._calls.run_pending_outside_step()
         save = save_hook(self.loader, self.state_hooks)
         if save is not None:
             return self._resume.state(loader_state=self._fetch_ahead.loader_state(save, args, kwargs, self.rewound))
@@ -250,7 +250,7 @@ class LeaderLoader:
         decision = self._resume.decide(state, self.loader, self.length, load is not None)
         self._passes.resume(decision, load)
         if now:
-            self._passes.run_pending_outside_step()
+            self._calls.run_pending_outside_step()
         return decision.warning
 
     def stats(self):
@@ -308,7 +308,7 @@ class LeaderLoader:
         if not self.is_leader:
             # Before anything can fail: the leader's draws, whatever the step's outcome (a fetch
             # that raised, a batch refused), so the mirror survives the error.
-            self._passes.mirror(received["words"], self._leader)
+            self._calls.mirror(received["words"], self._leader)
         if error is not None:
             # A refused batch counted as a step (it is step `step`); a fetch that raised did not.
             doing = (f"sending step {self.step}" if error["code"] != "loader"

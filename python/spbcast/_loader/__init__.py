@@ -12,12 +12,13 @@ the same names (include/spbcast/detail/loader/<part>.hpp); docs/internals.md map
   generator's advance (the mirror's arithmetic; C++ rng_mirror.hpp).
 - resume: the position, what a state holds, state_dict / load_state_dict's decisions, replaying
   a pass, persistent workers, the ResumeWarning decisions.
-- passes: when a pass starts and ends, set_epoch, the fetch loop, the words each call into the
-  loader draws, the leader's work deferred to its next fetch, carrying out a resume.
+- leader_calls: the words each call into the loader draws, the leader's calls between steps
+  deferred to its next fetch.
+- passes: when a pass starts and ends, set_epoch, the fetch loop, carrying out a resume.
 - prefetch: the loader's side of prefetch (policy, in-flight jobs, settle / drop, the
-  followers' receiving thread); the thread and the channel are spbcast/_prefetch.py.
+  followers' receiving thread); the channel and its thread are spbcast/_prefetch_channel.py.
 
 A part imports only parts before it in this order (python/tests/test_loader_parts.py holds it):
 
-Import order: config < stats < patience < step_exchange < generators < resume < passes < prefetch
+Import order: config < stats < patience < step_exchange < generators < resume < leader_calls < passes < prefetch
 """

@@ -1,19 +1,15 @@
 """The pass: when a pass over the loader starts and ends, set_epoch, the one fetch/epoch loop,
-and the default generator words each call into the loader draws (observed around the call, see
-generators.py), so followers consume exactly as many. The trainer's calls into the loader between
-steps (set_epoch, load_state_dict) are deferred to the dedup leader's next fetch, inside the step:
-a slow one is covered by keep-alive frames, a failing one reaches every SP rank, and the words it
-draws travel with that step."""
+carrying out a resume. Its calls into the loader go through leader_calls.py, which counts the
+words they draw and defers the trainer's calls between steps to the dedup leader's next fetch."""
 
 import time
 
 import torch
 
-from .generators import (counted, drawn, generator_states, mirror, persistent_iterator, replay_is_exact,
-                         set_generators, shut_down_workers)
+from .generators import generator_states, persistent_iterator, replay_is_exact, set_generators, shut_down_workers
 from .resume import replaying, start_persistent_workers
 from .step_exchange import describe, envelope
-from ..errors import Error, loader_error, type_name
+from ..errors import Error
 
 END = object()  # what a fetch returns at the end of the pass (or of the run)
 
@@ -46,10 +42,11 @@ class Steps:
 
 class Passes:
     """The passes over this rank's loader (None on dedup followers, which hold none), counted in
-    ``position`` (resume.Position)."""
+    ``position`` (resume.Position); its calls into the loader go through ``calls``
+    (leader_calls.LeaderCalls)."""
 
-    def __init__(self, position, *, where, dedup, per_pass, total_epoch, total_step, epoch_for_pass):
-        self.position, self._where, self._dedup = position, where, dedup
+    def __init__(self, position, calls, *, where, per_pass, total_epoch, total_step, epoch_for_pass):
+        self.position, self._calls, self._where = position, calls, where
         self.per_pass, self.total_epoch, self.total_step = per_pass, total_epoch, total_step
         self._epoch_for_pass = epoch_for_pass  # pass index -> set_epoch value; None: the trainer's
         self.loader = None
@@ -68,10 +65,6 @@ class Passes:
         # Resuming (resume() sets them): batches to drop, the saved pass's generators to replay
         # it from, persistent workers to start first, an epoch's end the loader's state restored.
         self.skip, self.replay_from, self.start_workers_first, self.end_of_epoch_pending = 0, None, False, False
-        # The dedup leader's calls into its loader made outside a step, run at its next fetch,
-        # and the generator words drawn outside a step, sent with the next one.
-        self.pending = []
-        self.carried_words = 0
 
     def build(self, make, counted):
         """The loader made by ``make`` and its first pass's set_epoch, if any: the words they
@@ -80,7 +73,7 @@ class Passes:
         before = torch.get_rng_state() if counted else None
         self.loader = make()
         if counted:
-            words[0] = self.words(before, "building the loader")
+            words[0] = self._calls.words(before, "building the loader")
         length = self.length()
         self.start(words)
         return (words[0] if counted else 0), length
@@ -96,13 +89,12 @@ class Passes:
         step; ``channel``: the prefetch's, or None: the steps travel on ``group``), and its own
         exception if the fetch raised."""
         sent, failure, started = envelope("step", 0, 0), None, time.monotonic()
-        words = [self.carried_words]
-        self.carried_words = 0
+        words = [self._calls.take_carried_words()]
         try:
             # While the leader fetches, the followers wait in the broadcast that follows:
             # keep-alive frames tell them it is still working.
             with patience.still_working(channel if channel is not None else group):
-                self.run_pending(words)
+                self._calls.run_pending(words)
                 with exchange.fetching_in_shared_memory(channel):
                     batch = self.fetch(words)
             sent["done"] = batch is END
@@ -165,7 +157,7 @@ class Passes:
             self.pass_generators = generator_states(self.loader)
             self.fetches_in_pass = 0
             self.pass_resets_workers = persistent_iterator(self.loader) is not None
-            self.iter = self._call(iter, self.loader, words, "creating the loader's iterator")
+            self.iter = self._calls.counted(words, "creating the loader's iterator", iter, self.loader)
 
     def _next_batch(self, words):
         try:
@@ -173,7 +165,7 @@ class Passes:
                 self.pass_ended = False
                 batch = END
             else:
-                batch = self._call(next, self.iter, words, "fetching a batch", END)
+                batch = self._calls.counted(words, "fetching a batch", next, self.iter, END)
         except Exception:
             self.fetches_in_pass += 1  # a fetch that raised took its samples all the same
             raise
@@ -206,7 +198,7 @@ class Passes:
         """The iterator and the step of a fetch ahead of the ``in_flight`` ones, or None where
         nothing may be fetched ahead: the pass or the run ends, or something is due on the
         trainer's thread first (its calls between steps, a resume still to apply)."""
-        if (self.iter is None or self.pass_ended or self.finished or self.pending or self.carried_words
+        if (self.iter is None or self.pass_ended or self.finished or self._calls.due()
                 or self.skip or self.replay_from is not None or self.end_of_epoch_pending
                 or (self.total_step is not None and self.position.step + in_flight >= self.total_step)):
             return None
@@ -234,12 +226,12 @@ class Passes:
             if decision.reapply is not None:
                 self.set_epoch(decision.reapply, words)
             if decision.load_loader:
-                self.counted(words, "restoring the loader's state", load, decision.loader_state)
+                self._calls.counted(words, "restoring the loader's state", load, decision.loader_state)
             set_generators(self.loader, decision.next_pass_generators)
 
-        self.leader_work("load_state_dict", restore)
+        self._calls.leader_work("load_state_dict", restore)
         if decision.end_epoch:
-            self.leader_work("starting the next epoch", self.end_pass)
+            self._calls.leader_work("starting the next epoch", self.end_pass)
         self.skip, self.end_of_epoch_pending = decision.skip, decision.end_of_epoch_pending
         if decision.replay_from is not None:
             self.replay_from = decision.replay_from
@@ -284,7 +276,7 @@ class Passes:
                        getattr(self.loader, "batch_sampler", None),
                        getattr(getattr(self.loader, "batch_sampler", None), "sampler", None)):
             if target is not None and hasattr(target, "set_epoch"):
-                self.counted(words, f"calling set_epoch({epoch!r}) on the loader", target.set_epoch, epoch)
+                self._calls.counted(words, f"calling set_epoch({epoch!r}) on the loader", target.set_epoch, epoch)
                 return
 
     # ---- resuming a pass ------------------------------------------------------------------------
@@ -316,70 +308,15 @@ class Passes:
         pass without another."""
         if (self.iter is not None and not self.per_pass and 0 < length <= self.position.in_epoch
                 and not self.pass_ended and replay_is_exact(self.loader)):
-            batch = self.outside_step("ending the pass", lambda: next(self.iter, END))
+            batch = self._calls.outside_step("ending the pass", lambda: next(self.iter, END))
             if batch is not END:
                 raise Error(self._where + f": the DataLoader yielded a batch past its len() "
                             f"({length}) in epoch {self.position.epoch}; spbcast cannot save its "
                             "position (its sampler's len() must be its number of indices)", "loader")
             self.pass_ended = True
 
-    # ---- the words mirror -----------------------------------------------------------------------
-
-    def _call(self, fn, arg, words, doing, *default):
-        if words is None:
-            return fn(arg, *default)
-        return self.counted(words, doing, fn, arg, *default)
-
-    def counted(self, words, doing, fn, *args):
-        return counted(self._where, words, doing, fn, *args)
-
-    def words(self, before, doing):
-        return drawn(self._where, before, doing)
-
-    def mirror(self, words, leader):
-        mirror(self._where, words, leader)
-
-    # ---- the leader's work outside the steps ----------------------------------------------------
-
-    def leader_work(self, doing, work):
-        """work(words) on this rank's loader: at once without dedup; on the dedup leader at its
-        next fetch, inside the step (see the module's docstring)."""
-        if not self._dedup:
-            work(None)
-        else:
-            self.pending.append((doing, work))
-
-    def run_pending(self, words):
-        pending, self.pending = self.pending, []
-        for doing, work in pending:
-            try:
-                work(words)
-            except Error:
-                raise
-            except Exception as e:  # noqa: BLE001 - named, then sent to the followers
-                raise loader_error(f"{doing} raised {type_name(type(e))}: {e}", type_name(type(e)), str(e),
-                                   type(e)) from e
-
-    def run_pending_outside_step(self):
-        # state_dict() must see what set_epoch / load_state_dict asked for; run on the leader
-        # alone, outside any step, so no keep-alive (followers may be in another collective),
-        # and the words they draw are sent with the next step.
-        if self.pending:
-            words = [0]
-            try:
-                self.run_pending(words)
-            finally:  # a call that raised drew its words too
-                self.carried_words += words[0]
-
-    def outside_step(self, doing, fn):
-        words = None if not self._dedup else [0]
-        out = self.counted(words, doing, fn)
-        if words is not None:
-            self.carried_words += words[0]
-        return out
-
     def close(self):
         for it in (self.iter, persistent_iterator(self.loader)):
             shut_down_workers(it)
         self.iter = self.loader = None
-        self.pending = []
+        self._calls.drop_pending()

@@ -1,6 +1,7 @@
 """The loader's side of prefetch: which depth (the policy), the leader's steps in flight on the
 prefetch thread, settling and dropping them, and a follower's thread receiving envelopes. The
-thread and the channel (a Gloo group of the SP ranks of the loader's own) are ../_prefetch.py.
+channel (a Gloo group of the SP ranks of the loader's own) and its thread are
+../_prefetch_channel.py.
 
 With prefetch, every step's envelope travels on the channel, in one order on every rank. The
 leader's trainer thread, after taking step t, submits the fetch and broadcast of t + 1 .. t +
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from .. import _prefetch
+from .. import _prefetch_channel
 from ..errors import Error, loader_error, type_name
 from .generators import REPLAYABLE_SAMPLERS, sampler_of
 from .passes import END
@@ -79,8 +80,9 @@ class Prefetch:
     loader's own state is taken with batches in flight (``state_mode``, see
     LeaderLoader.prefetch_policy)."""
 
-    def __init__(self, passes, exchange, patience, stats, *, where, is_leader):
-        self._passes, self._exchange, self._patience, self._stats = passes, exchange, patience, stats
+    def __init__(self, passes, calls, exchange, patience, stats, *, where, is_leader):
+        self._passes, self._calls, self._exchange = passes, calls, exchange
+        self._patience, self._stats = patience, stats
         self._where, self._is_leader = where, is_leader
         self.depth, self.reason, self.state_mode = 0, "sp_media_dedup is off", None
         self.channel = self._thread = None
@@ -94,8 +96,8 @@ class Prefetch:
         """Every SP rank, at the same point (the channel is a group of the SP ranks)."""
         self.depth, self.reason, self.state_mode = depth, reason, state_mode
         if depth:
-            self.channel = _prefetch.channel(group, root_wait)
-            self._thread = _prefetch.Prefetcher(f"spbcast prefetch (rank {rank})")
+            self.channel = _prefetch_channel.channel(group, root_wait)
+            self._thread = _prefetch_channel.PrefetchThread(f"spbcast prefetch (rank {rank})")
 
     def take(self):
         """The leader: the outcome of the next step fetched ahead, or None where the trainer's
@@ -208,13 +210,13 @@ class Prefetch:
         """The loader's own state as of the last step taken: with batches prefetched, taken back
         by them (``rewound``: LeaderLoader.rewound, where state_mode is "rewind")."""
         outcomes = [job.result() for job in self._in_flight]
-        passes = self._passes
+        calls = self._calls
         if not outcomes:
-            return passes.outside_step("taking the loader's state", lambda: save(*args, **kwargs))
+            return calls.outside_step("taking the loader's state", lambda: save(*args, **kwargs))
         if self.state_mode == "rewind":
             batches = [o["batch"] for o in outcomes if o["batch"] is not None]
             with rewound(batches):
-                state = passes.outside_step("taking the loader's state", lambda: save(*args, **kwargs))
+                state = calls.outside_step("taking the loader's state", lambda: save(*args, **kwargs))
         elif args or kwargs:
             raise Error(self._where + ": the loader's state was asked for with arguments while "
                         "batches are prefetched; spbcast took it before the first of them without "
@@ -226,9 +228,9 @@ class Prefetch:
                 raise loader_error(self._where + f": taking the loader's state raised "
                                    f"{type_name(type(state))}: {state}", type_name(type(state)),
                                    str(state), type(state)) from state
-        if passes.carried_words:
+        if calls.carried_words:
             raise Error(self._where + f": the loader's calls outside the steps drew "
-                        f"{passes.carried_words} words from the default CPU generator while batches "
+                        f"{calls.carried_words} words from the default CPU generator while batches "
                         "were prefetched: the followers cannot mirror them at their step; pass "
                         "prefetch=0 for this loader", "loader")
         return state
@@ -249,7 +251,7 @@ class Prefetch:
         except Exception:  # noqa: BLE001 - closing: a peer gone already is no error of close's
             pass
         if self._thread.stop(wait):
-            _prefetch.release(self.channel)
+            _prefetch_channel.release(self.channel)
 
     def stop_thread(self):
         """The loader collected: its thread ends once its jobs are done (no message to peers)."""

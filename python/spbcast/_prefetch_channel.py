@@ -1,6 +1,7 @@
-"""The prefetch's thread and channel: a LeaderLoader's steps travel on a process group of their own
-(the SP group's ranks, Gloo), driven by one thread per rank, so a batch is fetched and broadcast
-while the trainer runs its step and uses the SP group for its own collectives.
+"""The prefetch channel and its thread: a LeaderLoader's steps travel on a process group of their
+own (the SP group's ranks, Gloo; C++: prefetch_channel.hpp), driven by one thread per rank, so a
+batch is fetched and broadcast while the trainer runs its step and uses the SP group for its own
+collectives. The loader's side of prefetch (what to fetch ahead, when) is _loader/prefetch.py.
 
 Invariants, kept here:
 - The channel is used by one thread at a time: jobs run one after another on the prefetch thread,
@@ -11,7 +12,7 @@ Invariants, kept here:
   runs (a follower's job holds the channel and its queue alone), so a loader dropped between
   steps can be collected; and it holds no lock while a job runs: the only lock is the queue's,
   held for an append or a pop. A process forked meanwhile (a DataLoader worker) gets no thread of ours;
-  ``Prefetcher.usable()`` is False there, and close() in it touches neither thread nor channel.
+  ``PrefetchThread.usable()`` is False there, and close() in it touches neither thread nor channel.
 - A job's outcome, value or exception, is kept in its future and raised where the trainer asks
   for it (the step it belongs to), never on the thread.
 """
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from .errors import Error
 
 
-class Prefetcher:
+class PrefetchThread:
     """One thread running submitted jobs in order. ``submit(fn)`` returns a Future."""
 
     def __init__(self, name):
@@ -138,7 +139,7 @@ _OPEN_LOADERS = weakref.WeakSet()
 os.register_at_fork(after_in_child=_OPEN_LOADERS.clear)  # a child closes none of the parent's
 
 
-# Every Prefetcher of this process: at exit each thread gets a few seconds to finish its job,
+# Every PrefetchThread of this process: at exit each thread gets a few seconds to finish its job,
 # so that a follower's receive that ends as the peers go away (their sockets close) returns to
 # Python before the interpreter finalizes (a thread coming back later is parked, _C.cpp).
 _THREADS = weakref.WeakSet()
@@ -148,8 +149,8 @@ _EXIT_WAIT_SECONDS = 5.0
 
 @atexit.register
 def _stop_threads():  # registered first: runs after _close_open_loaders
-    for prefetcher in list(_THREADS):
-        prefetcher.stop(_EXIT_WAIT_SECONDS)
+    for thread in list(_THREADS):
+        thread.stop(_EXIT_WAIT_SECONDS)
 
 
 @atexit.register
