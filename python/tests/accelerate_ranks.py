@@ -186,6 +186,10 @@ class _Recorder(TrainerCallback):
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         self.record["len"] = len(train_dataloader)
 
+    def on_train_end(self, args, state, control, train_dataloader=None, **kwargs):
+        stats = spbcast.accelerate.stats(train_dataloader)  # None: accelerate's loader, untouched
+        self.record["prefetch"] = stats["prefetch"] if stats is not None else None
+
     def on_step_end(self, args, state, control, **kwargs):
         self.record["optimizer_steps"].append({"global_step": state.global_step, "rng": torch.get_rng_state()})
 
@@ -207,7 +211,7 @@ def checkpoint(root, arm_name):
     return os.path.join(root, arm_name, f"checkpoint-{MID}")
 
 
-def _train(arm, rank, mesh, root):
+def _train(arm, rank, mesh, root, enable=None):
     model = tiny_llama()
     args = TrainingArguments(output_dir=os.path.join(root, arm.name), per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, num_train_epochs=2, save_strategy="steps",
@@ -216,7 +220,7 @@ def _train(arm, rank, mesh, root):
     data = Samples(TRAINER_SAMPLES, noise=arm.noise)
     record = {"micro_steps": [], "optimizer_steps": []}
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[_Recorder(record)])
-    train_recorded(trainer, arm, mesh, root, record)
+    train_recorded(trainer, arm, mesh, root, record, enable)
     record["fetches"] = data.fetches.value
     return record
 
@@ -229,12 +233,15 @@ def tiny_llama(vocab_size=64):
                                         max_position_embeddings=16))
 
 
-def train_recorded(trainer, arm, mesh, root, record):
-    """The mesh given to the trainer's accelerator, spbcast's line under dedup, then train() (or the
-    resume from ``arm.resume``'s checkpoint-MID), recording per micro-step the inputs and the loss,
-    the grad norm per optimizer step, and at the end the generator and the parameters."""
+def train_recorded(trainer, arm, mesh, root, record, enable=None):
+    """The mesh given to the trainer's accelerator, spbcast's line under dedup (``enable(trainer)``
+    where given), then train() (or the resume from ``arm.resume``'s checkpoint-MID), recording per
+    micro-step the inputs and the loss, the grad norm per optimizer step, and at the end the
+    generator and the parameters."""
     trainer.accelerator.state.device_mesh = mesh
-    if arm.dedup:
+    if arm.dedup and enable is not None:
+        enable(trainer)
+    elif arm.dedup:
         spbcast.accelerate.enable(trainer.accelerator)  # the documented line
     training_step, clip = trainer.training_step, trainer._clip_grad_norm
 
