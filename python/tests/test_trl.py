@@ -2,7 +2,8 @@
 ranks on CPU with the device mesh (dp_shard 2, cp 2) given to the trainer's accelerator, BASE
 (every rank loads) against dedup (``spbcast.accelerate.enable(trainer.accelerator)``: only the CP
 leaders, ranks 0 and 2, load). Packing on, 2 DataLoader workers, a mid-epoch checkpoint, and the
-resume from it in new processes - from dedup's checkpoint and from BASE's.
+resume from it in new processes across the switch: dedup from dedup's and from BASE's checkpoint,
+BASE from dedup's.
 
 Per rank, bit for bit: every micro-step's packed inputs (input_ids, position_ids, labels) and loss,
 every optimizer step's grad norm and generator, len(), the final parameters and generator; the
@@ -28,7 +29,8 @@ def runs(tmp_path_factory):
     A = trl_ranks.SFTArm
     records = ar.run_arms(root, "continuous", [A("sft_base", False), A("sft_dedup", True)], timeout=240)
     records.update(ar.run_arms(root, "resumed", [  # new processes; "a@b": a resumed from what b saved
-        A("sft_dedup@dedup", True, resume="sft_dedup"), A("sft_dedup@base", True, resume="sft_base")],
+        A("sft_dedup@dedup", True, resume="sft_dedup"), A("sft_dedup@base", True, resume="sft_base"),
+        A("sft_base@dedup", False, resume="sft_dedup")],
         timeout=240))
     return records
 
@@ -49,8 +51,8 @@ def test_sft_trainer_equals_base(runs):
 
 def test_sft_trainer_resumes(runs):
     """resume_from_checkpoint at the mid-epoch checkpoint, in new processes: dedup from its own
-    checkpoint and from BASE's go on exactly as the continuous BASE run."""
-    for resumed in ("sft_dedup@dedup", "sft_dedup@base"):
+    checkpoint and from BASE's, and BASE from dedup's, go on exactly as the continuous BASE run."""
+    for resumed in ("sft_dedup@dedup", "sft_dedup@base", "sft_base@dedup"):
         for rank, (e, g) in enumerate(zip(runs["sft_base"], runs[resumed])):
             where = f"{resumed}, rank {rank}"
             n = len(g["micro_steps"])
@@ -60,4 +62,5 @@ def test_sft_trainer_resumes(runs):
                        where + ", optimizer_steps")
             for key in ("params", "rng"):
                 assert_same(e[key], g[key], f"{where}: {key}")
-        only_leaders_load(resumed, runs[resumed])
+        if resumed.startswith("sft_dedup"):
+            only_leaders_load(resumed, runs[resumed])
