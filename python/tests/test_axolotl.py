@@ -12,14 +12,10 @@ generator, parameters), only the CP leaders load, and the config's options reach
 axolotl's trainer (AxolotlTrainer) and its CLI are not run: axolotl's own pins (transformers,
 accelerate, datasets, TRL) do not install beside this project's (docs/accelerate.md)."""
 
-import os
 import subprocess
 import sys
 
 import pytest
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 def test_import_needs_no_axolotl():
     """axolotl hidden (not faked): the module imports; SpbcastPlugin is a clear ImportError."""
@@ -27,8 +23,7 @@ def test_import_needs_no_axolotl():
             "import spbcast.axolotl\n"
             "try:\n    spbcast.axolotl.SpbcastPlugin\nexcept ImportError as e:\n    print(e)\n"
             "else:\n    raise SystemExit('no ImportError')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(HERE, ".."), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "spbcast.axolotl.SpbcastPlugin is an axolotl plugin" in out.stdout, out.stdout
     assert "spbcast.accelerate.enable(trainer.accelerator)" in out.stdout, out.stdout
