@@ -168,6 +168,20 @@ def test_trainer_equals_base(runs):
     assert len(records["trainer_base"][0]["optimizer_steps"]) == 6
 
 
+def same_from_the_resume(continuous, resumed, what):
+    """A resumed Trainer run, rank by rank: its micro-steps and optimizer steps are the continuous
+    run's last ones, and it ends with the continuous run's parameters and generator."""
+    for rank, (e, g) in enumerate(zip(continuous, resumed)):
+        where = f"{what}, rank {rank}"
+        n = len(g["micro_steps"])
+        assert 0 < n < len(e["micro_steps"]), f"{where}: {n} micro-steps after the resume"
+        same_steps(e["micro_steps"][-n:], g["micro_steps"], where + ", micro_steps")
+        same_steps(e["optimizer_steps"][-len(g["optimizer_steps"]):], g["optimizer_steps"],
+                   where + ", optimizer_steps")
+        for key in ("params", "rng"):
+            assert_same(e[key], g[key], f"{where}: {key}")
+
+
 def test_trainer_resumes_across_the_switch(runs):
     """resume_from_checkpoint at the mid-epoch checkpoint, in new processes (the Trainer skips the
     epoch's first batches with accelerate's skip_first_batches): dedup from BASE's checkpoint,
@@ -177,15 +191,7 @@ def test_trainer_resumes_across_the_switch(runs):
     root, records = runs
     for resumed, continuous in (("trainer_dedup@base", "trainer_base"), ("trainer_base@dedup", "trainer_base"),
                                 ("trainer_dedup@dedup", "trainer_base"), ("trainer_dedup2@dedup2", "trainer_base2")):
-        for rank, (e, g) in enumerate(zip(records[continuous], records[resumed])):
-            where = f"{resumed}, rank {rank}"
-            n = len(g["micro_steps"])
-            assert 0 < n < len(e["micro_steps"]), f"{where}: {n} micro-steps after the resume"
-            same_steps(e["micro_steps"][-n:], g["micro_steps"], where + ", micro_steps")
-            same_steps(e["optimizer_steps"][-len(g["optimizer_steps"]):], g["optimizer_steps"],
-                       where + ", optimizer_steps")
-            for key in ("params", "rng"):
-                assert_same(e[key], g[key], f"{where}: {key}")
+        same_from_the_resume(records[continuous], records[resumed], resumed)
         if resumed.startswith("trainer_dedup"):
             only_leaders_load(resumed, records[resumed])
     for rank in range(ar.WORLD):  # what each rank's checkpoint holds of its generators

@@ -16,8 +16,7 @@ pytest.importorskip("trl", reason="TRL is not installed (scripts/setup.sh instal
                     "environment)")
 pytest.importorskip("accelerate", reason="accelerate is not installed (scripts/setup.sh installs it)")
 
-from batches import assert_same  # noqa: E402
-from test_accelerate import TRAINER_KEYS, only_leaders_load, same_run, same_steps  # noqa: E402
+from test_accelerate import TRAINER_KEYS, only_leaders_load, same_from_the_resume, same_run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +52,6 @@ def test_sft_trainer_resumes(runs):
     """resume_from_checkpoint at the mid-epoch checkpoint, in new processes: dedup from its own
     checkpoint and from BASE's, and BASE from dedup's, go on exactly as the continuous BASE run."""
     for resumed in ("sft_dedup@dedup", "sft_dedup@base", "sft_base@dedup"):
-        for rank, (e, g) in enumerate(zip(runs["sft_base"], runs[resumed])):
-            where = f"{resumed}, rank {rank}"
-            n = len(g["micro_steps"])
-            assert 0 < n < len(e["micro_steps"]), f"{where}: {n} micro-steps after the resume"
-            same_steps(e["micro_steps"][-n:], g["micro_steps"], where + ", micro_steps")
-            same_steps(e["optimizer_steps"][-len(g["optimizer_steps"]):], g["optimizer_steps"],
-                       where + ", optimizer_steps")
-            for key in ("params", "rng"):
-                assert_same(e[key], g[key], f"{where}: {key}")
+        same_from_the_resume(runs["sft_base"], runs[resumed], resumed)
         if resumed.startswith("sft_dedup"):
             only_leaders_load(resumed, runs[resumed])
