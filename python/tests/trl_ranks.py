@@ -6,7 +6,9 @@ given to the trainer's accelerator, BASE (TRL and accelerate as shipped) against
 Nothing is downloaded: the model is a Llama of one layer built from a config, the tokenizer a
 word-level one built from a vocabulary, the dataset text made here. SFTTrainer tokenizes it, appends
 EOS and packs it (``packing=True``: best-fit decreasing into rows of MAX_LENGTH tokens, padding-free
-batches with position_ids), and its collator runs in 2 DataLoader workers.
+batches with position_ids), and its collator runs in 2 DataLoader workers. An eval dataset (the
+first EVAL_TEXTS lines, packed too) is evaluated every 2 optimizer steps: the accelerator prepares
+its loader as well, and spbcast shares it as it shares the train loader.
 """
 
 import dataclasses
@@ -16,7 +18,7 @@ import os
 import datasets
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
 import accelerate_ranks as ar
@@ -24,18 +26,22 @@ import accelerate_ranks as ar
 TEXTS = 60  # about 36 packed rows: 4-5 optimizer steps an epoch (2 data indices x 2 rows x 2 micro-steps)
 MAX_LENGTH = 16
 WORDS = 40
+EVAL_TEXTS = 20
 
 
 @dataclasses.dataclass
 class SFTArm:
     """One ``SFTTrainer.train()``: 2 epochs of the packed TEXTS, 2 rows per device, gradient
-    accumulation 2, 2 workers, a checkpoint every MID optimizer steps; ``resume``: the arm whose
-    checkpoint-MID it resumes from (new processes)."""
+    accumulation 2, 2 workers, an evaluation every 2 and a checkpoint every MID optimizer steps;
+    ``resume``: the arm whose checkpoint-MID it resumes from (new processes)."""
     name: str
     dedup: bool
     resume: str | None = None
     workers: int = 2
     shared_dim: str = "cp"
+    # Persistent workers: BASE's own resume is not exact with them (the resumed run's generator
+    # leaves the continuous run's at its first evaluation), so only continuous runs use them.
+    persistent: bool = False
 
 
 def tokenizer():
@@ -66,16 +72,27 @@ class CountingCollator:
         return self.collate(examples)
 
 
+class _Evaluations(TrainerCallback):
+    def __init__(self, record):
+        self.record = record
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.record["eval_losses"].append(metrics["eval_loss"])
+
+
 def _sft(arm, rank, mesh, root):
     args = SFTConfig(output_dir=os.path.join(root, arm.name), per_device_train_batch_size=2,
-                     gradient_accumulation_steps=2, num_train_epochs=2, save_strategy="steps",
-                     save_steps=ar.MID, logging_strategy="no", use_cpu=True, seed=ar.SEED, report_to=[],
-                     dataloader_num_workers=arm.workers, disable_tqdm=True, packing=True,
-                     max_length=MAX_LENGTH)
-    record = {"micro_steps": [], "optimizer_steps": []}
+                     per_device_eval_batch_size=2, gradient_accumulation_steps=2, num_train_epochs=2,
+                     save_strategy="steps", save_steps=ar.MID, eval_strategy="steps", eval_steps=2,
+                     logging_strategy="no", use_cpu=True, seed=ar.SEED, report_to=[],
+                     dataloader_num_workers=arm.workers, dataloader_persistent_workers=arm.persistent,
+                     disable_tqdm=True, packing=True, max_length=MAX_LENGTH)
+    record = {"micro_steps": [], "optimizer_steps": [], "eval_losses": []}
+    lines = texts()
     trainer = SFTTrainer(model=ar.tiny_llama(vocab_size=3 + WORDS), args=args,
-                         train_dataset=datasets.Dataset.from_dict({"text": texts()}),
-                         processing_class=tokenizer(), callbacks=[ar._Recorder(record)])
+                         train_dataset=datasets.Dataset.from_dict({"text": lines}),
+                         eval_dataset=datasets.Dataset.from_dict({"text": lines[:EVAL_TEXTS]}),
+                         processing_class=tokenizer(), callbacks=[ar._Recorder(record), _Evaluations(record)])
     trainer.data_collator = collator = CountingCollator(trainer.data_collator)
     ar.train_recorded(trainer, arm, mesh, root, record)
     record["fetches"] = collator.calls.value
