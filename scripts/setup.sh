@@ -99,18 +99,27 @@ except m.PackageNotFoundError: pass' "$1"
         "$VENV/bin/pip" install -q -c "$constraint" torchdata
     fi
     # The drop-ins' trainers, at the versions their tests are proven against (the main environment
-    # only): Hugging Face accelerate and transformers (its Trainer; XTuner's pin, so that the
-    # overlay adds none of its own) and Megatron-Energon. fsspec stays at XTuner's datasets' bound
-    # (s3fs follows it).
+    # only): Hugging Face accelerate, transformers (XTuner's pin, so that its overlay adds none of
+    # its own), TRL and Megatron-Energon. TRL 0.29.1 is the
+    # newest whose datasets bound meets XTuner's datasets<4 (TRL 1.x needs datasets>=4.7).
+    # fsspec stays at XTuner's datasets' bound (s3fs follows it).
     if [ "$VENV" = "$MAIN_VENV" ]; then
-        dropins=("accelerate==1.15.0" "transformers==5.14.1" "megatron-energon==7.4.1")
-        if [ "$(version_of accelerate)" != "1.15.0" ] || [ "$(version_of transformers)" != "5.14.1" ] \
-            || [ "$(version_of megatron-energon)" != "7.4.1" ]; then
+        dropins=("accelerate==1.15.0" "megatron-energon==7.4.1" "transformers==5.14.1" "trl==0.29.1" "datasets<4")
+        if [ "$(version_of accelerate)" != "1.15.0" ] || [ "$(version_of megatron-energon)" != "7.4.1" ] \
+                || [ "$(version_of transformers)" != "5.14.1" ] || [ "$(version_of trl)" != "0.29.1" ]; then
             echo "setup: installing ${dropins[*]} into $VENV"
             printf 'fsspec<=2025.3.0\n' > "$VENV/.spbcast-dropins-constraint.txt"
             "$VENV/bin/pip" install -q -c "$constraint" -c "$VENV/.spbcast-dropins-constraint.txt" "${dropins[@]}"
         else
             echo "setup: ${dropins[*]} present in $VENV"
+        fi
+        # axolotl's plugin API, for test_axolotl.py: axolotl pins its own transformers, accelerate,
+        # datasets and TRL (none of the versions above), so peft and pillow - what its plugin API
+        # and config code import beyond these - and then axolotl without its dependencies.
+        if [ "$(version_of axolotl)" != "0.19.0" ] || [ "$(version_of peft)" != "0.20.0" ]; then
+            echo "setup: installing peft==0.20.0 and axolotl==0.19.0 (without its dependencies) into $VENV"
+            "$VENV/bin/pip" install -q -c "$constraint" -c "$VENV/.spbcast-dropins-constraint.txt" "peft==0.20.0" pillow
+            "$VENV/bin/pip" install -q --no-deps "axolotl==0.19.0"
         fi
     fi
 }

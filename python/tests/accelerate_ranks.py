@@ -4,9 +4,10 @@ test_accelerate.py.
 Importing this module imports accelerate and transformers once (seconds); ``run_arms`` then forks
 the 4 ranks of one job from this process and runs several arms (runs, one after the other) in each
 rank: BASE (accelerate as shipped) and dedup (``spbcast.accelerate.enable``). Every rank is given
-the same CPU device mesh, (dp_shard 2, tp 2), as ``accelerator.state.device_mesh`` - accelerate
-refuses TP on a CPU-only run, so the mesh is set and nothing else changes: the ranks of a TP pair
-share a data index, as on GPUs. Each rank records what the loop saw, step by step.
+the same CPU device mesh, (dp_shard 2, tp 2) or (dp_shard 2, cp 2), as
+``accelerator.state.device_mesh`` - accelerate refuses a ParallelismConfig on a CPU-only run, so
+the mesh is set and nothing else changes: the ranks of a TP (CP) pair share a data index, as on
+GPUs. Each rank records what the loop saw, step by step.
 
 Nothing of accelerate or the Trainer is replaced. The one shim, the same in BASE and dedup: on CPU
 with several processes the Trainer's device is ``cpu:<index>``, which its resume gives
@@ -35,8 +36,10 @@ import spbcast
 import spbcast.accelerate
 
 WORLD = 4
-MESH = (("dp_shard", 2), ("tp", 2))
-LEADERS, FOLLOWERS = (0, 2), (1, 3)  # the TP pairs (0, 1) and (2, 3)
+# The meshes an arm runs under: (dp_shard 2, tp 2) or (dp_shard 2, cp 2). Either way ranks (0, 1)
+# and (2, 3) share a data index (accelerate: process_index // (tp * cp)).
+MESHES = {dim: (("dp_shard", 2), (dim, 2)) for dim in ("tp", "cp")}
+LEADERS, FOLLOWERS = (0, 2), (1, 3)  # the TP (or CP) pairs (0, 1) and (2, 3)
 SEED = 7
 # Neither a multiple of the global batch (2 per device x 2 data indices): accelerate pads the last.
 SAMPLES = 11  # accelerate's loop: 3 batches a rank, an epoch
@@ -96,6 +99,7 @@ class LoopArm:
     dispatch: bool = False
     options: dict = dataclasses.field(default_factory=dict)
     expect_error: bool = False
+    shared_dim: str = "tp"  # the mesh dimension whose ranks share a data index: "tp" or "cp"
 
 
 def _loop(arm, rank, mesh, root):
@@ -172,6 +176,7 @@ class TrainerArm:
     workers: int = 0
     noise: bool = False
     resume: str | None = None
+    shared_dim: str = "tp"
 
 
 class _Recorder(TrainerCallback):
@@ -180,6 +185,10 @@ class _Recorder(TrainerCallback):
 
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         self.record["len"] = len(train_dataloader)
+
+    def on_train_end(self, args, state, control, train_dataloader=None, **kwargs):
+        stats = spbcast.accelerate.stats(train_dataloader)  # None: accelerate's loader, untouched
+        self.record["prefetch"] = stats["prefetch"] if stats is not None else None
 
     def on_step_end(self, args, state, control, **kwargs):
         self.record["optimizer_steps"].append({"global_step": state.global_step, "rng": torch.get_rng_state()})
@@ -202,11 +211,8 @@ def checkpoint(root, arm_name):
     return os.path.join(root, arm_name, f"checkpoint-{MID}")
 
 
-def _train(arm, rank, mesh, root):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                         max_position_embeddings=16))
+def _train(arm, rank, mesh, root, enable=None):
+    model = tiny_llama()
     args = TrainingArguments(output_dir=os.path.join(root, arm.name), per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, num_train_epochs=2, save_strategy="steps",
                              save_steps=MID, logging_strategy="no", use_cpu=True, seed=SEED, report_to=[],
@@ -214,8 +220,28 @@ def _train(arm, rank, mesh, root):
     data = Samples(TRAINER_SAMPLES, noise=arm.noise)
     record = {"micro_steps": [], "optimizer_steps": []}
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[_Recorder(record)])
+    train_recorded(trainer, arm, mesh, root, record, enable)
+    record["fetches"] = data.fetches.value
+    return record
+
+
+def tiny_llama(vocab_size=64):
+    """A Llama of one layer from a config (no download), the same weights in every process."""
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32,
+                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                        max_position_embeddings=16))
+
+
+def train_recorded(trainer, arm, mesh, root, record, enable=None):
+    """The mesh given to the trainer's accelerator, spbcast's line under dedup (``enable(trainer)``
+    where given), then train() (or the resume from ``arm.resume``'s checkpoint-MID), recording per
+    micro-step the inputs and the loss, the grad norm per optimizer step, and at the end the
+    generator and the parameters."""
     trainer.accelerator.state.device_mesh = mesh
-    if arm.dedup:
+    if arm.dedup and enable is not None:
+        enable(trainer)
+    elif arm.dedup:
         spbcast.accelerate.enable(trainer.accelerator)  # the documented line
     training_step, clip = trainer.training_step, trainer._clip_grad_norm
 
@@ -231,17 +257,19 @@ def _train(arm, rank, mesh, root):
 
     trainer.training_step, trainer._clip_grad_norm = recorded_training_step, recorded_clip
     trainer.train(resume_from_checkpoint=checkpoint(root, arm.resume) if arm.resume else None)
-    record.update(fetches=data.fetches.value, rng=torch.get_rng_state(),
+    record.update(rng=torch.get_rng_state(),
                   params={name: p.detach().clone() for name, p in trainer.model.named_parameters()})
-    return record
 
 
 # ---- the job ------------------------------------------------------------------------------------
 
 
+RUNNERS = {LoopArm: _loop, TrainerArm: _train}  # arm type -> run(arm, rank, mesh, root); trl_ranks.py adds its own
+
+
 def _run(arm, rank, mesh, root):
     """One arm in this rank: its record, or for a refusal what it raised."""
-    run = _train if isinstance(arm, TrainerArm) else _loop
+    run = RUNNERS[type(arm)]
     if not getattr(arm, "expect_error", False):
         return run(arm, rank, mesh, root)
     try:
@@ -260,11 +288,12 @@ def _environment(rank):
 
 
 def _rank(rank, world, root, tag, arms):
-    mesh = init_device_mesh("cpu", tuple(size for _, size in MESH), mesh_dim_names=tuple(n for n, _ in MESH))
+    meshes = {dim: init_device_mesh("cpu", tuple(size for _, size in mesh), mesh_dim_names=tuple(n for n, _ in mesh))
+              for dim, mesh in MESHES.items() if any(arm.shared_dim == dim for arm in arms)}
     records = {}
     for arm in arms:
         started = time.monotonic()
-        records[arm.name] = _run(arm, rank, mesh, root)
+        records[arm.name] = _run(arm, rank, meshes[arm.shared_dim], root)
         records[arm.name]["seconds"] = time.monotonic() - started
         dist.barrier()
     torch.save(records, os.path.join(root, f"records-{tag}-rank{rank}.pt"))

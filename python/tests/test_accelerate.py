@@ -1,6 +1,6 @@
 """spbcast.accelerate proven against the real Hugging Face accelerate and transformers' Trainer (the
-versions scripts/setup.sh pins): 4 Gloo ranks on CPU with the device mesh (dp_shard 2, tp 2) given
-to the accelerator, BASE (accelerate as shipped: every rank loads) against dedup
+versions scripts/setup.sh pins): 4 Gloo ranks on CPU with the device mesh (dp_shard 2, tp 2) - or
+(dp_shard 2, cp 2), the CP groups of axolotl's context parallelism - given to the accelerator, BASE (accelerate as shipped: every rank loads) against dedup
 (``spbcast.accelerate.enable``: only the TP leaders, ranks 0 and 2, load).
 
 accelerate's own loop (prepare, gradient accumulation 2, two epochs, then ``skip_first_batches``):
@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from batches import assert_same  # noqa: E402
 
 LOOP = {"workers": 2, "noise": True}
+CP = {"workers": 2, "shared_dim": "cp"}  # the (dp_shard 2, cp 2) mesh: axolotl's context parallelism
 STATEFUL = {"workers": 2, "stateful": True}
 
 
@@ -44,6 +45,7 @@ def runs(tmp_path_factory):
         L("loop_base", False), L("loop_dedup", True),
         L("loop_base_noisy", False, **LOOP), L("loop_dedup_noisy", True, **LOOP),
         L("loop_base_stateful", False, **STATEFUL), L("loop_dedup_stateful", True, **STATEFUL),
+        L("loop_base_cp", False, **CP), L("loop_dedup_cp", True, **CP),
         L("loop_no_mesh", True, mesh=False),
         L("loop_dispatch", True, dispatch=True, expect_error=True),
         L("loop_unknown_option", True, options={"prefetch_depth": 1}, expect_error=True),
@@ -97,10 +99,12 @@ def only_leaders_load(arm, runs_of_arm):
         assert read(rank) == 0, f"{arm}: TP follower {rank} read {read(rank)} samples"
 
 
-@pytest.mark.parametrize("arm", ["", "_noisy", "_stateful"])
+@pytest.mark.parametrize("arm", ["", "_noisy", "_stateful", "_cp"])
 def test_accelerate_loop_equals_base(runs, arm):
     """Every rank's steps, len(), parameters and generator under dedup are BASE's (for the noisy
-    data: the leaders', whose batches the followers get - see test_tp_peers_share_the_leaders_batch)."""
+    data: the leaders', whose batches the followers get - see test_tp_peers_share_the_leaders_batch).
+    "_cp": the (dp_shard 2, cp 2) mesh, whose CP pairs share a data index as TP pairs do; the CP
+    pair's batches are the same in BASE too (deterministic data), so dedup changes nothing."""
     _, records = runs
     base, dedup = records[f"loop_base{arm}"], records[f"loop_dedup{arm}"]
     if arm == "_noisy":
@@ -129,6 +133,7 @@ def test_prefetch_where_exact(runs):
     assert [r["prefetch"] for r in records["loop_dedup_noisy"]] == [1] * 4
     assert [r["prefetch"] for r in records["loop_dedup_stateful"]] == [1] * 4
     assert [r["prefetch"] for r in records["loop_dedup"]] == [0] * 4
+    assert [r["prefetch"] for r in records["loop_dedup_cp"]] == [1] * 4
 
 
 def test_tp_peers_share_the_leaders_batch(runs):
@@ -163,6 +168,20 @@ def test_trainer_equals_base(runs):
     assert len(records["trainer_base"][0]["optimizer_steps"]) == 6
 
 
+def same_from_the_resume(continuous, resumed, what):
+    """A resumed Trainer run, rank by rank: its micro-steps and optimizer steps are the continuous
+    run's last ones, and it ends with the continuous run's parameters and generator."""
+    for rank, (e, g) in enumerate(zip(continuous, resumed)):
+        where = f"{what}, rank {rank}"
+        n = len(g["micro_steps"])
+        assert 0 < n < len(e["micro_steps"]), f"{where}: {n} micro-steps after the resume"
+        same_steps(e["micro_steps"][-n:], g["micro_steps"], where + ", micro_steps")
+        same_steps(e["optimizer_steps"][-len(g["optimizer_steps"]):], g["optimizer_steps"],
+                   where + ", optimizer_steps")
+        for key in ("params", "rng"):
+            assert_same(e[key], g[key], f"{where}: {key}")
+
+
 def test_trainer_resumes_across_the_switch(runs):
     """resume_from_checkpoint at the mid-epoch checkpoint, in new processes (the Trainer skips the
     epoch's first batches with accelerate's skip_first_batches): dedup from BASE's checkpoint,
@@ -172,15 +191,7 @@ def test_trainer_resumes_across_the_switch(runs):
     root, records = runs
     for resumed, continuous in (("trainer_dedup@base", "trainer_base"), ("trainer_base@dedup", "trainer_base"),
                                 ("trainer_dedup@dedup", "trainer_base"), ("trainer_dedup2@dedup2", "trainer_base2")):
-        for rank, (e, g) in enumerate(zip(records[continuous], records[resumed])):
-            where = f"{resumed}, rank {rank}"
-            n = len(g["micro_steps"])
-            assert 0 < n < len(e["micro_steps"]), f"{where}: {n} micro-steps after the resume"
-            same_steps(e["micro_steps"][-n:], g["micro_steps"], where + ", micro_steps")
-            same_steps(e["optimizer_steps"][-len(g["optimizer_steps"]):], g["optimizer_steps"],
-                       where + ", optimizer_steps")
-            for key in ("params", "rng"):
-                assert_same(e[key], g[key], f"{where}: {key}")
+        same_from_the_resume(records[continuous], records[resumed], resumed)
         if resumed.startswith("trainer_dedup"):
             only_leaders_load(resumed, records[resumed])
     for rank in range(ar.WORLD):  # what each rank's checkpoint holds of its generators
