@@ -88,6 +88,10 @@ class _ImagesOnlyQwen2VLProcessor(Qwen2VLProcessor):
     def check_argument_for_proper_class(self, argument_name, argument):
         return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
 
+    def save_pretrained(self, save_directory, **kwargs):  # a checkpoint's copy, never read back here
+        self.tokenizer.save_pretrained(save_directory)
+        self.image_processor.save_pretrained(save_directory)
+
 
 def make_processor():
     images = Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,
@@ -153,11 +157,12 @@ swift.dataset.utils.LazyLLMDataset.__getitem__ = _counted_getitem
 
 
 def encodes(path):
+    """How many samples this rank encoded since the record started: in all, and in its workers."""
     if not os.path.exists(path):
         return 0, 0
     with open(path) as f:
         pids = f.read().split()
-    return len(pids), len(set(pids) - {str(os.getpid())})
+    return len(pids), sum(pid != str(os.getpid()) for pid in pids)  # all, in other processes
 
 
 class Arm:
@@ -182,10 +187,9 @@ def sft_arguments(arm, root):
             "--save_steps", str(arm.save_steps), "--logging_steps", "1", "--learning_rate", "1e-3",
             "--output_dir", os.path.join(root, arm.name), "--add_version", "false", "--report_to", "none",
             "--seed", "42", "--max_length", "512", "--use_cpu", "true", "--save_only_model", "false",
-            "--lazy_tokenize", "true", "--dataset_num_proc", "1", "--check_model", "false",
+            "--dataset_num_proc", "1", "--check_model", "false",
             "--load_from_cache_file", "false", "--warmup_ratio", "0", "--dataloader_persistent_workers", "false"]
-    if arm.streaming:
-        args += ["--streaming", "true"]
+    args += ["--streaming", "true"] if arm.streaming else ["--lazy_tokenize", "true"]
     if arm.resume:
         args += ["--resume_from_checkpoint", os.path.join(root, arm.resume)]
     return args
@@ -223,6 +227,14 @@ def _loader_record(trainer, record):
 
 
 def _train_record(trainer, record):
+    record["inputs"] = inputs = []
+    training_step = trainer.training_step
+
+    def recorded_training_step(model, batch, *args, **kwargs):
+        inputs.append(_digest(batch))  # as the loader gave it, before ms-swift splits it
+        return training_step(model, batch, *args, **kwargs)
+
+    trainer.training_step = recorded_training_step
     trainer.train(trainer.args.resume_from_checkpoint)
     record["losses"] = [(log["step"], log["loss"]) for log in trainer.state.log_history if "loss" in log]
     record["parameters"] = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
@@ -231,9 +243,8 @@ def _train_record(trainer, record):
 
 
 def _run_arm(arm, rank, root):
-    record = {}
+    record = {"error": None}
     _ENCODES["path"] = None
-    pipeline = SwiftSft(sft_arguments(arm, root))
 
     def train(trainer):
         _ENCODES["path"] = os.path.join(root, f"encodes-{arm.name}-rank{rank}")
@@ -243,10 +254,11 @@ def _run_arm(arm, rank, root):
         _ENCODES["path"] = None
         record["encodes"], record["encodes_in_workers"] = encodes(os.path.join(root, f"encodes-{arm.name}-rank{rank}"))
 
-    pipeline.train = train
-    if arm.dedup:
-        spbcast.swift.enable(**arm.options)
     try:
+        if arm.dedup:
+            spbcast.swift.enable(**arm.options)
+        pipeline = SwiftSft(sft_arguments(arm, root))
+        pipeline.train = train
         pipeline.main()
     except Exception as e:  # noqa: BLE001 - recorded for the test to judge
         if not arm.expect_error:
@@ -267,6 +279,10 @@ def _rank(rank, world, root, tag, arms):
         records[arm.name] = _run_arm(arm, rank, root)
         dist.barrier()
     torch.save(records, os.path.join(root, f"records-{tag}-rank{rank}.pt"))
+
+
+def checkpoint(root, arm, step=2):
+    return os.path.join(root, arm, f"checkpoint-{step}")
 
 
 def prepare(root):
