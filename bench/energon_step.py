@@ -41,12 +41,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from step_overhead import MiB, checksum, loadavg, machine, machine_line, spawn_ranks, write_results
+from step_overhead import MiB, checksum, loadavg, machine, machine_line, spawn_ranks, usage, write_results
 
 WORLD = 4
 SETTINGS = {"tp2": {"name": "TP2 x DP2", "tp": 2}, "tp4": {"name": "TP4", "tp": 4}}
 ARMS = ({"name": "base", "dedup": False}, {"name": "dedup", "dedup": True})
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 # ---- the data ----------------------------------------------------------------------------------
@@ -72,42 +71,6 @@ def write_dataset(root, image, shards, per_shard):
     energon_prepare.main([root, "--non-interactive", "--split-ratio", "1,0,0", "--sample-type",
                           "CaptioningSample", "--field-map", '{"image": "jpg", "caption": "txt"}'],
                          standalone_mode=False)
-
-
-# ---- what a rank holds and spends -----------------------------------------------------------------
-
-def _stat_fields(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()  # after the command name: state, ppid, ...
-
-
-def _worker_pids():
-    """This process's children (Energon's DataLoader workers)."""
-    me, found = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and int(_stat_fields(entry)[1]) == me:
-                found.append(int(entry))
-        except OSError:  # gone meanwhile
-            pass
-    return found
-
-
-def usage():
-    """Host memory (MiB: Pss_Anon + Pss_Shmem) and CPU seconds (user + system) of this process
-    and its worker processes, now."""
-    mib = cpu = 0.0
-    for pid in [os.getpid()] + _worker_pids():
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith(("Pss_Anon:", "Pss_Shmem:")):
-                        mib += int(line.split()[1]) / 1024
-            fields = _stat_fields(pid)
-            cpu += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
-        except OSError:
-            pass
-    return {"mib": mib, "cpu_s": cpu}
 
 
 # ---- one rank ----------------------------------------------------------------------------------

@@ -347,6 +347,43 @@ def summarize(setting, arms, cfg, records):
     return rows
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()  # after the command name: state, ppid, ...
+
+
+def _worker_pids():
+    """This process's children (its DataLoader workers)."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and int(_stat_fields(entry)[1]) == me:
+                found.append(int(entry))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def usage():
+    """Host memory (MiB: Pss_Anon + Pss_Shmem) and CPU seconds (user + system) of this process
+    and its worker processes, now."""
+    mib = cpu = 0.0
+    for pid in [os.getpid()] + _worker_pids():
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith(("Pss_Anon:", "Pss_Shmem:")):
+                        mib += int(line.split()[1]) / 1024
+            fields = _stat_fields(pid)
+            cpu += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+        except OSError:
+            pass
+    return {"mib": mib, "cpu_s": cpu}
+
+
 def machine():
     model = "?"
     with open("/proc/cpuinfo") as f:

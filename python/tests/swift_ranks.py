@@ -93,9 +93,13 @@ class _ImagesOnlyQwen2VLProcessor(Qwen2VLProcessor):
         self.image_processor.save_pretrained(save_directory)
 
 
+# The image processor's bound on an image's pixels (the bench raises it for larger images).
+IMAGE_MAX_PIXELS = {"value": 28 * 28 * 16}
+
+
 def make_processor():
     images = Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,
-                                      min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
+                                      min_pixels=28 * 28 * 4, max_pixels=IMAGE_MAX_PIXELS["value"])
     chat = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     return _ImagesOnlyQwen2VLProcessor(image_processor=images, tokenizer=make_tokenizer(),
@@ -124,13 +128,14 @@ def write_model(directory):
     make_tokenizer().save_pretrained(directory)
 
 
-def write_dataset(directory, n=SAMPLES, seed=3):
-    """Image-and-text conversations (ms-swift's messages format) with PNG images of varied sizes."""
+def write_dataset(directory, n=SAMPLES, seed=3, side=None):
+    """Image-and-text conversations (ms-swift's messages format) with PNG images: of varied sizes,
+    or ``side`` x ``side`` pixels."""
     rng = np.random.RandomState(seed)
     path = os.path.join(directory, "train.jsonl")
     with open(path, "w") as f:
         for i in range(n):
-            h, w = 28 * rng.randint(2, 5), 28 * rng.randint(2, 5)
+            h, w = (side, side) if side else (28 * rng.randint(2, 5), 28 * rng.randint(2, 5))
             image = os.path.join(directory, f"image{i}.png")
             Image.fromarray(rng.randint(0, 256, (h, w, 3), dtype=np.uint8)).save(image)
             words = " ".join(f"w{j}" for j in rng.randint(0, 64, rng.randint(3, 12)))
@@ -172,8 +177,8 @@ class Arm:
     from ``resume`` (a checkpoint directory, relative to the job's root)."""
 
     def __init__(self, name, dedup, kind="loader", workers=0, max_steps=4, save_steps=2, resume=None,
-                 options=None, streaming=False, expect_error=False):
-        self.name, self.dedup, self.kind, self.workers = name, dedup, kind, workers
+                 options=None, streaming=False, expect_error=False, batch_size=1):
+        self.name, self.dedup, self.kind, self.workers, self.batch_size = name, dedup, kind, workers, batch_size
         self.max_steps, self.save_steps, self.resume = max_steps, save_steps, resume
         self.options, self.streaming, self.expect_error = options or {}, streaming, expect_error
 
@@ -182,7 +187,7 @@ def sft_arguments(arm, root):
     args = ["--model", os.path.join(root, "model"), "--model_type", "qwen2_vl", "--template", "qwen2_vl", "--torch_dtype", "float32",
             "--attn_impl", "sdpa", "--dataset", os.path.join(root, "data", "train.jsonl"),
             "--split_dataset_ratio", "0", "--tuner_type", "full", "--sequence_parallel_size", str(SP),
-            "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1",
+            "--per_device_train_batch_size", str(arm.batch_size), "--gradient_accumulation_steps", "1",
             "--dataloader_num_workers", str(arm.workers), "--max_steps", str(arm.max_steps),
             "--save_steps", str(arm.save_steps), "--logging_steps", "1", "--learning_rate", "1e-3",
             "--output_dir", os.path.join(root, arm.name), "--add_version", "false", "--report_to", "none",
