@@ -39,7 +39,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from step_overhead import MiB, checksum, loadavg, machine, machine_line, spawn_ranks, usage, write_results
+from step_overhead import (USAGE_HEADER, USAGE_NOTE, MiB, checksum, loadavg, machine, machine_line, spawn_ranks, usage,
+                           next_ms_mean, slowest_step_times, usage_by_role, usage_cells, write_results)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(HERE, "..", "python", "tests")
@@ -120,20 +121,14 @@ def summarize(cfg, records):
     rows = []
     for arm in ARMS:
         mine = [r for r in records if r["arm"] == arm["name"]]
-        times = [max(r["steps"][i]["step"] for r in mine if r["round"] == rnd)  # the slowest rank's
-                 for rnd in range(cfg["rounds"]) for i in range(cfg["warmup"], cfg["warmup"] + cfg["steps"])]
+        times = slowest_step_times(mine, cfg)
         leaders = [r for r in mine if r["rank"] % SP == 0]
         followers = [r for r in mine if r["rank"] % SP != 0]
         rows.append({
             "arm": arm["name"], "path": mine[0]["path"], "prefetch": mine[0]["prefetch"],
             "median_step_s": statistics.median(times), "batch_mib": mine[0]["steps"][0]["mib"],
-            "follower_next_ms_mean": 1e3 * statistics.mean(
-                s["next"] for r in followers for s in r["steps"][cfg["warmup"]:]),
-            "leader_mib": statistics.mean(r["mib"] for r in leaders),
-            "follower_mib": statistics.mean(r["mib"] for r in followers),
-            "all_ranks_mib": sum(r["mib"] for r in mine if r["round"] == cfg["rounds"] - 1),
-            "leader_cpu_s": statistics.mean(r["cpu_s_per_step"] for r in leaders),
-            "follower_cpu_s": statistics.mean(r["cpu_s_per_step"] for r in followers),
+            "follower_next_ms_mean": next_ms_mean(followers, cfg),
+            **usage_by_role(mine, leaders, followers, cfg["rounds"]),
             "sp_batches_equal": all(r["mismatches"] == 0 for r in mine)})
     for row in rows:
         row["x_base"] = row["median_step_s"] / rows[0]["median_step_s"]
@@ -148,19 +143,15 @@ def markdown(result):
              f"{cfg['image']} PNG image and text that ms-swift's Qwen2-VL template encodes in "
              f"{cfg['workers']} DataLoader workers per rank; a {cfg['step_seconds']} s step then all-reduces; "
              f"{cfg['rounds']} rounds x {cfg['steps']} measured steps per arm ({cfg['warmup']} warm-up steps "
-             "a round). Memory: Pss_Anon + Pss_Shmem of a rank's process and its workers at the end of the "
-             "measured steps; CPU: its process and its workers, per measured step.", "",
+             "a round). " + USAGE_NOTE, "",
              "| arm | path | prefetch | batch (MiB) | median step (s) | x BASE | followers: next() mean (ms) "
-             "| leader: memory (MiB) | follower: memory (MiB) | 4 ranks: memory (MiB) | leader: CPU / step (s) "
-             "| follower: CPU / step (s) | SP batches equal |",
+             + USAGE_HEADER + "| SP batches equal |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         lines.append(
             f"| {row['arm']} | {row['path']} | {row['prefetch'] or '-'} | {row['batch_mib']:.1f} "
             f"| {row['median_step_s']:.3f} | {row['x_base']:.3f} | {row['follower_next_ms_mean']:.1f} "
-            f"| {row['leader_mib']:.0f} | {row['follower_mib']:.0f} | {row['all_ranks_mib']:.0f} "
-            f"| {row['leader_cpu_s']:.3f} | {row['follower_cpu_s']:.3f} "
-            f"| {'yes' if row['sp_batches_equal'] else 'NO'} |")
+            + usage_cells(row) + f"| {'yes' if row['sp_batches_equal'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
