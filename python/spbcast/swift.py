@@ -47,7 +47,7 @@ def _where():
 def plugin_path():
     """The file to give ``swift sft``'s ``--external_plugins``: it calls ``enable()`` on every
     rank when ms-swift imports it (``python -m spbcast.swift`` prints this path)."""
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "swift_plugin.py")
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins", "spbcast_swift_plugin.py")
 
 
 def enable(**options):

@@ -174,13 +174,15 @@ class Arm:
     """One run of ms-swift's pipeline on every rank. kind "loader": the trainer's train loader,
     two epochs as the Trainer drives them, then ms-swift's resume path (skip 2 batches);
     "train": ``trainer.train()`` (max_steps, a checkpoint every ``save_steps``), or resumed
-    from ``resume`` (a checkpoint directory, relative to the job's root)."""
+    from ``resume`` (a checkpoint directory, relative to the job's root). A dedup arm calls
+    ``spbcast.swift.enable()``, or with ``plugin`` gives ms-swift spbcast's plugin file."""
 
     def __init__(self, name, dedup, kind="loader", workers=0, max_steps=4, save_steps=2, resume=None,
-                 options=None, streaming=False, expect_error=False, batch_size=1):
+                 options=None, streaming=False, expect_error=False, batch_size=1, plugin=False):
         self.name, self.dedup, self.kind, self.workers, self.batch_size = name, dedup, kind, workers, batch_size
         self.max_steps, self.save_steps, self.resume = max_steps, save_steps, resume
         self.options, self.streaming, self.expect_error = options or {}, streaming, expect_error
+        self.plugin = plugin  # dedup through the CLI's way: --external_plugins (instead of enable())
 
 
 def sft_arguments(arm, root):
@@ -197,6 +199,8 @@ def sft_arguments(arm, root):
     args += ["--streaming", "true"] if arm.streaming else ["--lazy_tokenize", "true"]
     if arm.resume:
         args += ["--resume_from_checkpoint", os.path.join(root, arm.resume)]
+    if arm.plugin:
+        args += ["--external_plugins", spbcast.swift.plugin_path()]
     return args
 
 
@@ -260,7 +264,7 @@ def _run_arm(arm, rank, root):
         record["encodes"], record["encodes_in_workers"] = encodes(os.path.join(root, f"encodes-{arm.name}-rank{rank}"))
 
     try:
-        if arm.dedup:
+        if arm.dedup and not arm.plugin:
             spbcast.swift.enable(**arm.options)
         pipeline = SwiftSft(sft_arguments(arm, root))
         pipeline.train = train

@@ -41,7 +41,8 @@ def runs(tmp_path_factory):
     continuous = [
         A("loader_base", False), A("loader_base_workers", False, workers=2),
         A("train_base", False, kind="train"),
-        A("loader_dedup", True), A("loader_dedup_workers", True, workers=2),
+        A("loader_dedup", True, plugin=True),  # the first dedup arm: nothing but the plugin enables it
+        A("loader_dedup_workers", True, workers=2),
         A("train_dedup", True, kind="train"),
         A("streaming", True, streaming=True, expect_error=True),
         A("unknown_option", True, options={"prefetch_depth": 1}, expect_error=True)]
@@ -88,6 +89,14 @@ def test_train_loader_equals_base(runs, workers):
         assert [e["batches"] for e in base[leader]["epochs"]] == [e["batches"] for e in base[follower]["epochs"]]
     assert base[0]["epochs"][0]["batches"] != base[2]["epochs"][0]["batches"]  # data ranks differ
     only_leaders_encode(f"loader_dedup{workers}", dedup, workers=bool(workers))
+
+
+def test_cli_plugin_enables(runs):
+    """``--external_plugins "$(python -m spbcast.swift)"``, the first dedup arm of its processes:
+    the plugin alone turned dedup on, on every rank."""
+    _, records = runs
+    assert all(r["stats"] is not None for r in records["loader_dedup"])
+    assert all(r["stats"] is None for r in records["loader_base"])
 
 
 def test_prefetch_where_exact(runs):
@@ -166,7 +175,10 @@ def test_import_spbcast_does_not_import_swift():
     code = "import sys, spbcast, spbcast.swift; assert 'swift' not in sys.modules, 'imported ms-swift'; " \
            "print(spbcast.swift.plugin_path())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip().endswith(os.path.join("spbcast", "swift_plugin.py"))
+    assert out.strip().endswith(os.path.join("spbcast", "plugins", "spbcast_swift_plugin.py"))
     path = subprocess.run([sys.executable, "-m", "spbcast.swift"], capture_output=True, text=True,
                           check=True).stdout.strip()
     assert os.path.isfile(path) and "spbcast.swift.enable()" in open(path).read()
+    assert os.listdir(os.path.dirname(path)) in (["spbcast_swift_plugin.py"], ["spbcast_swift_plugin.py", "__pycache__"],
+                                                 ["__pycache__", "spbcast_swift_plugin.py"]), \
+        "ms-swift puts the plugin's folder on sys.path: nothing else may be importable from it"

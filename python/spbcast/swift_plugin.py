@@ -1,7 +1,0 @@
-"""The ms-swift plugin of spbcast: ``swift sft ... --external_plugins "$(python -m spbcast.swift)"``.
-ms-swift imports it on every rank while it parses its arguments, before it builds the trainer:
-from then on only the leader of each SP group runs the SP train loader (docs/swift.md)."""
-
-import spbcast.swift
-
-spbcast.swift.enable()
