@@ -11,7 +11,7 @@ bit for bit, len(), its default CPU generator after each pass - with 0 and 2 Dat
 (prefetch on) - and the encodes counted in every process (workers included). The real
 ``trainer.train()`` through ms-swift's SP trainer (Ulysses over SDPA, on CPU): every rank's inputs
 per step, losses, final parameters and generator; the checkpoint's files; resumed from the
-mid-run checkpoint in new processes, BASE and dedup checkpoints either way. Refusals are one clear
+mid-run checkpoint in new processes, BASE and dedup checkpoints either way; with 0 and 2 workers. Refusals are one clear
 error on every rank.
 
 The ranks are forked from this process, which imports ms-swift once (swift_ranks.py)."""
@@ -40,17 +40,19 @@ def runs(tmp_path_factory):
     A = sr.Arm
     continuous = [
         A("loader_base", False), A("loader_base_workers", False, workers=2),
-        A("train_base", False, kind="train"),
+        A("train_base", False, kind="train"), A("train_base_workers", False, kind="train", workers=2),
         A("loader_dedup", True, plugin=True),  # the first dedup arm: nothing but the plugin enables it
         A("loader_dedup_workers", True, workers=2),
-        A("train_dedup", True, kind="train"),
+        A("train_dedup", True, kind="train"), A("train_dedup_workers", True, kind="train", workers=2),
         A("streaming", True, streaming=True, expect_error=True),
         A("unknown_option", True, options={"prefetch_depth": 1}, expect_error=True)]
     resumed = [  # new processes; "a@b": a resumed from b's checkpoint after step 2 of 4
         A("train_base@base", False, kind="train", resume=sr.checkpoint("", "train_base")),
         A("train_base@dedup", False, kind="train", resume=sr.checkpoint("", "train_dedup")),
+        A("train_base_workers@base", False, kind="train", workers=2, resume=sr.checkpoint("", "train_base_workers")),
         A("train_dedup@base", True, kind="train", resume=sr.checkpoint("", "train_base")),
-        A("train_dedup@dedup", True, kind="train", resume=sr.checkpoint("", "train_dedup"))]
+        A("train_dedup@dedup", True, kind="train", resume=sr.checkpoint("", "train_dedup")),
+        A("train_dedup_workers@dedup", True, kind="train", workers=2, resume=sr.checkpoint("", "train_dedup_workers"))]
     records = sr.run_arms(root, "continuous", continuous)
     records.update(sr.run_arms(root, "resumed", resumed))
     return root, records
@@ -118,15 +120,19 @@ def same_training(expected, got, where, steps=None):
     assert torch.equal(expected["rng"], got["rng"]), f"{where}: the generator"
 
 
-def test_sp_training_equals_base(runs):
-    """ms-swift's SP trainer on CPU (Ulysses over SDPA), 4 steps: every rank's inputs, losses,
-    final parameters and generator are BASE's; the followers encode nothing."""
+@pytest.mark.parametrize("workers", ["", "_workers"])
+def test_sp_training_equals_base(runs, workers):
+    """ms-swift's SP trainer on CPU (Ulysses over SDPA), 4 steps, 0 and 2 DataLoader workers (prefetch
+    on): every rank's inputs, losses, final parameters and generator are BASE's; the followers
+    encode nothing."""
     _, records = runs
-    base, dedup = records["train_base"], records["train_dedup"]
+    base, dedup = records[f"train_base{workers}"], records[f"train_dedup{workers}"]
     for rank, (b, d) in enumerate(zip(base, dedup)):
-        same_training(b, d, f"train, rank {rank}")
+        same_training(b, d, f"train{workers}, rank {rank}")
         assert len(b["losses"]) == 4
-    only_leaders_encode("train_dedup", dedup)
+    only_leaders_encode(f"train_dedup{workers}", dedup, workers=bool(workers))
+    if workers:
+        assert [r["stats"]["prefetch"] for r in dedup] == [1] * 4
 
 
 def test_checkpoints_unchanged(runs):
@@ -154,6 +160,10 @@ def test_resume_across_the_switch(runs):
         for rank, (e, g) in enumerate(zip(reference, records[arm])):
             same_training(e, g, f"{arm}, rank {rank}", steps=2)
     only_leaders_encode("train_dedup@base", records["train_dedup@base"])
+    # With workers (prefetch on): dedup from its own checkpoint goes on as BASE from BASE's.
+    for rank, (e, g) in enumerate(zip(records["train_base_workers@base"], records["train_dedup_workers@dedup"])):
+        same_training(e, g, f"train_dedup_workers@dedup, rank {rank}", steps=2)
+    only_leaders_encode("train_dedup_workers@dedup", records["train_dedup_workers@dedup"], workers=True)
 
 
 @pytest.mark.parametrize("arm, says", [
