@@ -90,6 +90,11 @@ def test_train_loader_equals_base(runs, workers):
     for leader, follower in ((0, 1), (2, 3)):  # BASE: the ranks of an SP group get the same batches
         assert [e["batches"] for e in base[leader]["epochs"]] == [e["batches"] for e in base[follower]["epochs"]]
     assert base[0]["epochs"][0]["batches"] != base[2]["epochs"][0]["batches"]  # data ranks differ
+    for b in base:  # ms-swift's order, kept: the Trainer's set_epoch reaches the sampler of the loader
+        assert b["epochs"][0]["batches"] != b["epochs"][1]["batches"]
+        # ... and not the resume loader's (accelerate's SkipBatchSampler has no set_epoch): epoch 1
+        # resumed replays epoch 0's order
+        assert b["skipped"]["batches"] == b["epochs"][0]["batches"][2:]
     only_leaders_encode(f"loader_dedup{workers}", dedup, workers=bool(workers))
 
 
