@@ -17,13 +17,15 @@ leader's batch over a Gloo group of the block's ranks. Each follower's default C
 advances as its own loader would have advanced it.
 
 Refused on every rank, before any collective: streaming SP (an iterable dataset, which ms-swift
-gives a ``SequenceParallelDispatcher``) and a mesh whose data blocks are not consecutive ranks.
-Loaders ms-swift builds elsewhere (evaluation, Megatron-SWIFT, the RLHF trainers without
+gives a ``SequenceParallelDispatcher``), a mesh whose data blocks are not consecutive ranks, and
+Megatron-SWIFT (``enable`` with ``swift.megatron`` loaded: its loaders come from Megatron's data
+path). Loaders ms-swift builds elsewhere (evaluation, the rollout trainers without
 ``DataLoaderMixin``) are left as they are. This module imports ms-swift only when ``enable`` runs;
 ``import spbcast`` does not import it.
 """
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -58,6 +60,14 @@ def enable(**options):
     rank, before the trainer builds its train loader (``trainer.train()``); calling it again
     replaces the options. Loaders built before it are left as they are."""
     check_options(_where(), options)
+    if "swift.megatron" in sys.modules:
+        # Megatron-SWIFT parses its arguments (and imports the --external_plugins files) with
+        # swift.megatron loaded, on every rank alike. Its loaders come from Megatron's data path,
+        # grouped by Megatron's parallel state, not from DataLoaderMixin.
+        raise Error(_where() + ": Megatron-SWIFT (megatron sft / pt / rlhf) builds its loaders "
+                    "through Megatron's data path, which spbcast.swift does not share; remove the "
+                    "spbcast plugin (--external_plugins) or the enable() call from a Megatron-SWIFT run",
+                    "invalid_argument")
     from swift.dataloader import DataLoaderShard
     from swift.trainers.mixin import DataLoaderMixin
 

@@ -197,3 +197,16 @@ def test_import_spbcast_does_not_import_swift():
     assert os.listdir(os.path.dirname(path)) in (["spbcast_swift_plugin.py"], ["spbcast_swift_plugin.py", "__pycache__"],
                                                  ["__pycache__", "spbcast_swift_plugin.py"]), \
         "ms-swift puts the plugin's folder on sys.path: nothing else may be importable from it"
+
+
+def test_megatron_swift_refused():
+    """Megatron-SWIFT parses its arguments - and imports the plugin - with swift.megatron loaded
+    (which needs megatron-core: here a stand-in module): enable() refuses, naming the rank."""
+    import subprocess
+    import sys
+
+    code = ("import sys, types; sys.modules['swift.megatron'] = types.ModuleType('swift.megatron')\n"
+            "import spbcast.swift\n"
+            "try:\n    spbcast.swift.enable()\nexcept spbcast.Error as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("spbcast: rank 0 (spbcast.swift): Megatron-SWIFT"), out
