@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from step_overhead import (MiB, Samples, add_loop_options, checksum, loadavg, loop_config, machine,
-                           machine_line, spawn_ranks, write_results)
+                           machine_line, next_ms_mean, slowest_step_times, spawn_ranks, write_results)
 
 WORLD = 4
 MESH = (("dp_shard", 2), ("tp", 2))
@@ -109,15 +109,13 @@ def summarize(cfg, records):
     rows = []
     for arm in ARMS:
         mine = [r for r in records if r["arm"] == arm["name"]]
-        times = [max(r["steps"][i]["step"] for r in mine if r["round"] == rnd)  # the slowest rank's
-                 for rnd in range(cfg["rounds"]) for i in range(cfg["warmup"], cfg["warmup"] + cfg["steps"])]
+        times = slowest_step_times(mine, cfg)
         followers = [r for r in mine if r["rank"] % dict(MESH)["tp"] != 0]
         stats = mine[0]["stats"]
         rows.append({"arm": arm["name"], "median_step_s": statistics.median(times),
                      "measured_steps": len(times),
                      "prefetch": stats["prefetch"] if stats else "-", "path": stats["path"] if stats else "local",
-                     "follower_next_ms_mean": 1e3 * statistics.mean(
-                         s["next"] for r in followers for s in r["steps"][cfg["warmup"]:]),
+                     "follower_next_ms_mean": next_ms_mean(followers, cfg),
                      "tp_batches_equal": all(r["mismatches"] == 0 for r in mine)})
     for row in rows:
         row["x_base"] = row["median_step_s"] / rows[0]["median_step_s"]

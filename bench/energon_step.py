@@ -41,12 +41,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from step_overhead import MiB, checksum, loadavg, machine, machine_line, spawn_ranks, write_results
+from step_overhead import (USAGE_HEADER, USAGE_NOTE, MiB, checksum, loadavg, machine, machine_line, spawn_ranks, usage,
+                           next_ms_mean, slowest_step_times, usage_by_role, usage_cells, write_results)
 
 WORLD = 4
 SETTINGS = {"tp2": {"name": "TP2 x DP2", "tp": 2}, "tp4": {"name": "TP4", "tp": 4}}
 ARMS = ({"name": "base", "dedup": False}, {"name": "dedup", "dedup": True})
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 # ---- the data ----------------------------------------------------------------------------------
@@ -72,42 +72,6 @@ def write_dataset(root, image, shards, per_shard):
     energon_prepare.main([root, "--non-interactive", "--split-ratio", "1,0,0", "--sample-type",
                           "CaptioningSample", "--field-map", '{"image": "jpg", "caption": "txt"}'],
                          standalone_mode=False)
-
-
-# ---- what a rank holds and spends -----------------------------------------------------------------
-
-def _stat_fields(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()  # after the command name: state, ppid, ...
-
-
-def _worker_pids():
-    """This process's children (Energon's DataLoader workers)."""
-    me, found = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and int(_stat_fields(entry)[1]) == me:
-                found.append(int(entry))
-        except OSError:  # gone meanwhile
-            pass
-    return found
-
-
-def usage():
-    """Host memory (MiB: Pss_Anon + Pss_Shmem) and CPU seconds (user + system) of this process
-    and its worker processes, now."""
-    mib = cpu = 0.0
-    for pid in [os.getpid()] + _worker_pids():
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith(("Pss_Anon:", "Pss_Shmem:")):
-                        mib += int(line.split()[1]) / 1024
-            fields = _stat_fields(pid)
-            cpu += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
-        except OSError:
-            pass
-    return {"mib": mib, "cpu_s": cpu}
 
 
 # ---- one rank ----------------------------------------------------------------------------------
@@ -193,22 +157,15 @@ def summarize(setting, cfg, records):
     rows = []
     for arm in ARMS:
         mine = [r for r in records if r["arm"] == arm["name"]]
-        times = [max(r["steps"][i]["step"] for r in mine if r["round"] == rnd)  # the slowest rank's
-                 for rnd in range(cfg["rounds"]) for i in range(cfg["warmup"], cfg["warmup"] + cfg["steps"])]
+        times = slowest_step_times(mine, cfg)
         leaders = [r for r in mine if r["leader"]]
         followers = [r for r in mine if not r["leader"]]
         rows.append({
             "setting": setting["name"], "arm": arm["name"], "path": mine[0]["path"],
             "prefetch": mine[0]["prefetch"], "median_step_s": statistics.median(times),
             "batch_mib": mine[0]["steps"][0]["mib"],
-            "follower_next_ms_mean": 1e3 * statistics.mean(
-                s["next"] for r in followers for s in r["steps"][cfg["warmup"]:]),
-            "leader_mib": statistics.mean(r["mib"] for r in leaders),
-            "follower_mib": statistics.mean(r["mib"] for r in followers),
-            # the last round's ranks, together: what the 4 ranks hold at once
-            "all_ranks_mib": sum(r["mib"] for r in mine if r["round"] == cfg["rounds"] - 1),
-            "leader_cpu_s": statistics.mean(r["cpu_s_per_step"] for r in leaders),
-            "follower_cpu_s": statistics.mean(r["cpu_s_per_step"] for r in followers),
+            "follower_next_ms_mean": next_ms_mean(followers, cfg),
+            **usage_by_role(mine, leaders, followers, cfg["rounds"]),
             "tp_batches_equal": all(r["mismatches"] == 0 for r in mine)})
     rows[1]["x_base"], rows[0]["x_base"] = rows[1]["median_step_s"] / rows[0]["median_step_s"], 1.0
     return rows
@@ -221,19 +178,16 @@ def markdown(result):
              f"4 ranks; batches of {cfg['batch_size']} {cfg['image']} x {cfg['image']} JPEG images decoded "
              f"to float32 by Energon's {cfg['workers']} workers per loader; a {cfg['step_seconds']} s step then "
              f"all-reduces; {cfg['rounds']} rounds x {cfg['steps']} measured steps per arm ({cfg['warmup']} "
-             "warm-up steps a round). Memory: Pss_Anon + Pss_Shmem of a rank's process and its workers "
-             "at the end of the measured steps; CPU: its process and its workers, per measured step.", "",
+             "warm-up steps a round). " + USAGE_NOTE, "",
              "| setting | arm | path | prefetch | batch (MiB) | median step (s) | x BASE | followers: next() "
-             "mean (ms) | leader: memory (MiB) | follower: memory (MiB) | 4 ranks: memory (MiB) "
-             "| leader: CPU / step (s) | follower: CPU / step (s) | TP batches equal |",
+             "mean (ms) " + USAGE_HEADER + "| TP batches equal |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         lines.append(
             f"| {row['setting']} | {row['arm']} | {row['path']} | {row['prefetch'] or '-'} "
             f"| {row['batch_mib']:.1f} | {row['median_step_s']:.3f} | {row['x_base']:.3f} "
-            f"| {row['follower_next_ms_mean']:.1f} | {row['leader_mib']:.0f} | {row['follower_mib']:.0f} "
-            f"| {row['all_ranks_mib']:.0f} | {row['leader_cpu_s']:.3f} | {row['follower_cpu_s']:.3f} "
-            f"| {'yes' if row['tp_batches_equal'] else 'NO'} |")
+            f"| {row['follower_next_ms_mean']:.1f} " + usage_cells(row)
+            + f"| {'yes' if row['tp_batches_equal'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -347,6 +347,78 @@ def summarize(setting, arms, cfg, records):
     return rows
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()  # after the command name: state, ppid, ...
+
+
+def _worker_pids():
+    """This process's children (its DataLoader workers)."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and int(_stat_fields(entry)[1]) == me:
+                found.append(int(entry))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def usage():
+    """Host memory (MiB: Pss_Anon + Pss_Shmem) and CPU seconds (user + system) of this process
+    and its worker processes, now."""
+    mib = cpu = 0.0
+    for pid in [os.getpid()] + _worker_pids():
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith(("Pss_Anon:", "Pss_Shmem:")):
+                        mib += int(line.split()[1]) / 1024
+            fields = _stat_fields(pid)
+            cpu += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+        except OSError:
+            pass
+    return {"mib": mib, "cpu_s": cpu}
+
+
+# What a rank holds and spends, per role (the loop benches of the drop-ins: energon_step.py,
+# swift_step.py): their markdown's sentence, header cells and row cells.
+USAGE_NOTE = ("Memory: Pss_Anon + Pss_Shmem of a rank's process and its workers at the end of the "
+              "measured steps; CPU: its process and its workers, per measured step.")
+USAGE_HEADER = ("| leader: memory (MiB) | follower: memory (MiB) | 4 ranks: memory (MiB) "
+                "| leader: CPU / step (s) | follower: CPU / step (s) ")
+
+
+def slowest_step_times(mine, cfg):
+    """An arm's measured step times, each the slowest rank's in its round."""
+    return [max(r["steps"][i]["step"] for r in mine if r["round"] == rnd)
+            for rnd in range(cfg["rounds"]) for i in range(cfg["warmup"], cfg["warmup"] + cfg["steps"])]
+
+
+def next_ms_mean(records, cfg):
+    """What these ranks waited in next(), on average over the measured steps, in ms."""
+    return 1e3 * statistics.mean(s["next"] for r in records for s in r["steps"][cfg["warmup"]:])
+
+
+def usage_by_role(mine, leaders, followers, rounds):
+    """An arm's records (``mine``; each with usage()'s ``mib`` and ``cpu_s_per_step``): the mean
+    leader's and follower's memory and CPU per step, and the last round's 4 ranks' memory together
+    (what they hold at once)."""
+    return {"leader_mib": statistics.mean(r["mib"] for r in leaders),
+            "follower_mib": statistics.mean(r["mib"] for r in followers),
+            "all_ranks_mib": sum(r["mib"] for r in mine if r["round"] == rounds - 1),
+            "leader_cpu_s": statistics.mean(r["cpu_s_per_step"] for r in leaders),
+            "follower_cpu_s": statistics.mean(r["cpu_s_per_step"] for r in followers)}
+
+
+def usage_cells(row):
+    return (f"| {row['leader_mib']:.0f} | {row['follower_mib']:.0f} | {row['all_ranks_mib']:.0f} "
+            f"| {row['leader_cpu_s']:.3f} | {row['follower_cpu_s']:.3f} ")
+
+
 def machine():
     model = "?"
     with open("/proc/cpuinfo") as f:

@@ -16,6 +16,7 @@
 #   ./scripts/setup.sh --main-only           the packages and the main environment
 #   ./scripts/setup.sh --reference-only      the packages and the reference environment (test.sh
 #                                            fills it in the background while it builds)
+#   ./scripts/setup.sh --swift-only          the packages and ms-swift's environment (spbcast.swift)
 set -euo pipefail
 
 python_package=yes
@@ -25,7 +26,8 @@ for option in "$@"; do
         --no-python-package) python_package=no ;;
         --main-only) which=main ;;
         --reference-only) which=reference ;;
-        *) echo "setup: unknown option '$option' (--no-python-package, --main-only, --reference-only)"; exit 2 ;;
+        --swift-only) which=swift ;;
+        *) echo "setup: unknown option '$option' (--no-python-package, --main-only, --reference-only, --swift-only)"; exit 2 ;;
     esac
 done
 MAIN_VENV="${SPBCAST_VENV:-$HOME/.cache/spbcast/venv}"
@@ -166,12 +168,12 @@ populate_xtuner_overlay() {
     echo "$xtuner_sum" > "$xtuner_stamp"
 }
 
-if [ "$which" != reference ]; then
+if [ "$which" = both ] || [ "$which" = main ]; then
     populate_venv "$MAIN_VENV" "$TORCH_WHEEL_VERSION"
     populate_xtuner_overlay "$MAIN_VENV"
     [ "$python_package" = no ] || SPBCAST_VENV="$MAIN_VENV" "$(dirname "$0")/python_package.sh"
 fi
-if [ "$which" != main ]; then
+if [ "$which" = both ] || [ "$which" = reference ]; then
     # Another setup.sh (test.sh starts one in the background) may be filling it: one at a time.
     mkdir -p "$(dirname "$REFERENCE_VENV")"
     exec 9> "$REFERENCE_VENV.lock"
@@ -180,4 +182,30 @@ if [ "$which" != main ]; then
     populate_xtuner_overlay "$REFERENCE_VENV"
     [ "$python_package" = no ] || SPBCAST_VENV="$REFERENCE_VENV" "$(dirname "$0")/python_package.sh"
 fi
+# --- ms-swift (spbcast.swift; python/tests/test_swift.py, bench/swift_step.py) -----------------
+# An environment of its own: ms-swift 4.6.0 requires datasets>=4, and XTuner's pipeline in the
+# main environment pins datasets<4. The main environment's torch (never upgraded: constrained),
+# ms-swift at the version its test is proven against with the versions pip resolved for it then,
+# and qwen-vl-utils (ms-swift's Qwen2-VL template). The Python package is built into it.
+SWIFT_VENV="${SPBCAST_SWIFT_VENV:-$HOME/.cache/spbcast/venv-swift}"
+SWIFT_PINS=("ms-swift==4.6.0" "qwen-vl-utils==0.0.14" "transformers==5.19.0" "accelerate==1.16.0"
+            "datasets==4.8.4" "peft==0.20.0" "trl==0.29.1")
+if [ "$which" = both ] || [ "$which" = swift ]; then
+    if [ ! -x "$SWIFT_VENV/bin/python" ]; then
+        echo "setup: creating $SWIFT_VENV"
+        python3 -m venv "$SWIFT_VENV"
+    fi
+    swift_stamp="$SWIFT_VENV/.spbcast-swift-pins"
+    if [ -f "$swift_stamp" ] && [ "$(cat "$swift_stamp")" = "torch==$TORCH_WHEEL_VERSION ${SWIFT_PINS[*]}" ]; then
+        echo "setup: ${SWIFT_PINS[*]} present in $SWIFT_VENV"
+    else
+        echo "setup: installing torch==$TORCH_WHEEL_VERSION ${SWIFT_PINS[*]} into $SWIFT_VENV"
+        "$SWIFT_VENV/bin/pip" install -q "torch==$TORCH_WHEEL_VERSION"
+        echo "torch==$TORCH_WHEEL_VERSION" > "$SWIFT_VENV/.spbcast-torch-constraint.txt"
+        "$SWIFT_VENV/bin/pip" install -q -c "$SWIFT_VENV/.spbcast-torch-constraint.txt" "${SWIFT_PINS[@]}"
+        echo "torch==$TORCH_WHEEL_VERSION ${SWIFT_PINS[*]}" > "$swift_stamp"
+    fi
+    [ "$python_package" = no ] || SPBCAST_VENV="$SWIFT_VENV" "$(dirname "$0")/python_package.sh"
+fi
+# -------------------------------------------------------------------------------------------------
 echo "setup: done"

@@ -10,6 +10,7 @@
 #   ./scripts/test.sh python       only the Python package (PyTorch 2.13)
 #   ./scripts/test.sh python-2.9   only the Python package on PyTorch 2.9.1 (the tests of what
 #                                  differs between torch releases)
+#   ./scripts/test.sh python-swift only spbcast.swift against ms-swift (its own environment)
 #   ./scripts/test.sh --build GEN  only configure and build GEN's tree (system or wheel)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +41,7 @@ if [ "${1:-}" = "--build" ]; then
 fi
 
 ./scripts/setup.sh --main-only  # installs what is missing; seconds when everything is there
-generations=("${@:-system wheel python python-2.9}")
+generations=("${@:-system wheel python python-2.9 python-swift}")
 generations=(${generations[*]})
 
 # The reference environment (about 7 GB to download the first time) fills while the trees build,
@@ -86,6 +87,16 @@ run_xtuner_tests() {
     fi
 }
 
+# --- ms-swift (spbcast.swift) in its own environment: scripts/setup.sh --swift-only fills it and
+# builds the Python package into it (seconds when both are there) -------------------------------
+SWIFT_VENV="${SPBCAST_SWIFT_VENV:-$HOME/.cache/spbcast/venv-swift}"
+run_swift_suite() {
+    echo "=== spbcast: spbcast.swift against ms-swift ($SWIFT_VENV)"
+    ./scripts/setup.sh --swift-only
+    "$SWIFT_VENV/bin/python" -m pytest -q python/tests/test_swift.py
+}
+# -------------------------------------------------------------------------------------------------
+
 background=""
 reference_suite=""
 trap '[ -z "$background" ] || kill -- "-${background##*:}" 2>/dev/null || true
@@ -98,7 +109,7 @@ for i in "${!generations[@]}"; do
         wait "${background##*:}" || { cat "build-$gen.log"; exit 1; }
         background=""
         grep "spbcast:" "build-$gen.log" || true
-    elif [ "$gen" != python ] && [ "$gen" != python-2.9 ]; then
+    elif [ "$gen" != python ] && [ "$gen" != python-2.9 ] && [ "$gen" != python-swift ]; then
         build "$gen"  # refuses an unknown generation
     fi
     next="${generations[$((i + 1))]:-}"
@@ -133,6 +144,8 @@ for i in "${!generations[@]}"; do
         # From the repository root, so that `import spbcast` finds the installed package.
         SPBCAST_REFERENCE_VENV="$REFERENCE_VENV" "$VENV/bin/python" -m pytest -q python/tests
         run_xtuner_tests "$VENV"
+    elif [ "$gen" = python-swift ]; then
+        run_swift_suite
     elif [ "$gen" = python-2.9 ]; then
         if [ -n "$reference_suite" ]; then
             echo "=== spbcast: waiting for the Python package's tests on PyTorch 2.9.1 (build-python-2.9.test.log)"

@@ -20,7 +20,6 @@ Without a mesh, or where each rank has its own data index, the loader is acceler
 untouched. This module imports accelerate; ``import spbcast`` does not.
 """
 
-import datetime
 import math
 import weakref
 
@@ -31,16 +30,12 @@ from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard, Seedab
 from accelerate.utils import DistributedType
 
 from ._broadcast import _group_timeout
+from ._drop_in import check_options, data_index_groups
 from ._loader.generators import REPLAYABLE_SAMPLERS
 from .errors import Error
 from .loader import LeaderLoader
 
 __all__ = ["enable", "stats"]
-
-# LeaderLoader's options that enable() passes on; the rest are fixed by accelerate's loop (one pass
-# per iter(), the epochs driven by DataLoaderShard).
-_OPTIONS = ("timeout", "root_wait", "transport", "relay_chunk_bytes",
-            "leader_allocates_in_shared_memory", "prefetch", "log_every", "log")
 
 
 def _where():
@@ -54,10 +49,7 @@ def enable(accelerator, **options):
     ranks. ``options``: LeaderLoader's ``timeout``, ``root_wait``, ``transport``,
     ``relay_chunk_bytes``, ``leader_allocates_in_shared_memory``, ``prefetch``, ``log_every``,
     ``log``. Call it on every rank. Loaders prepared before it are left as they are."""
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise Error(_where() + f": enable() got {', '.join(map(repr, unknown))}; the options are "
-                    f"LeaderLoader's {', '.join(_OPTIONS)}", "invalid_argument")
+    check_options(_where(), options)
     if accelerator.distributed_type == DistributedType.MEGATRON_LM:
         raise Error(_where() + ": the Megatron-LM plugin prepares its data loaders itself "
                     "(megatron_lm_prepare_data_loader), not through prepare_data_loader; spbcast "
@@ -109,21 +101,7 @@ def _data_group(accelerator, size):
                     f"({rank} of {world}); spbcast groups the ranks by the data index accelerate "
                     "computes from process_index: run one process per rank of the default group",
                     "invalid_argument")
-    return _groups(world, size, _group_timeout(None))[rank // size]
-
-
-_GROUPS = {}  # (world, size) -> the Gloo group of each data index, made once per process
-
-
-def _groups(world, size, timeout):
-    """One Gloo group per data index (ranks index * size ...), made by every rank in the same
-    order: dist.new_group is a collective of the whole default group."""
-    if (world, size) not in _GROUPS:
-        _GROUPS[world, size] = [
-            dist.new_group(list(range(start, min(start + size, world))), backend="gloo",
-                           timeout=datetime.timedelta(seconds=timeout))
-            for start in range(0, world, size)]
-    return _GROUPS[world, size]
+    return data_index_groups(world, size, _group_timeout(None))[rank // size]
 
 
 def _share(accelerator, prepared, options):

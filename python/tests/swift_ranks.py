@@ -1,0 +1,314 @@
+"""ms-swift's real SP data path and SP trainer on 4 CPU Gloo ranks (SP 2 x DP 2), for test_swift.py
+and bench/swift_step.py.
+
+Importing this module imports ms-swift, transformers and datasets once (seconds); ``run_arms``
+then forks the 4 ranks of one job from this process, and each rank runs several arms, one after
+the other, through ms-swift's own ``swift sft`` pipeline (``SwiftSft``: model and processor
+loading, the dataset and its ``LazyLLMDataset`` with the template's encoding, the SP mesh, the
+trainer): the BASE arms first, then ``spbcast.swift.enable()`` (process-wide) and the dedup arms.
+Each rank records what it saw.
+
+The model is a tiny Qwen2-VL written to a directory from a config (random weights, a word-level
+tokenizer holding Qwen2-VL's special tokens at their ids); the images are PNG files made from a
+seed. Nothing is downloaded. Two shims, the same in BASE and dedup, stand in for what this
+environment lacks: torchvision (no CPU wheel for this torch on PyPI; qwen_vl_utils imports it at
+module level and uses it for videos only) is a bare module, and the processor is built in code
+(transformers' Qwen2VLProcessor asks torchvision for a video processor when it loads one).
+"""
+
+import hashlib
+import json
+import os
+import sys
+import types
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MODELSCOPE_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import transformers  # noqa: E402
+from PIL import Image  # noqa: E402
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor  # noqa: E402
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
+
+import swift.dataset.utils  # noqa: E402
+import swift.model.register  # noqa: E402
+import swift.template  # noqa: E402
+import transformers.trainer  # noqa: E402
+from swift.pipelines.train.sft import SwiftSft  # noqa: E402
+
+
+def _bare_torchvision():
+    """qwen_vl_utils imports torchvision (io, transforms.InterpolationMode) for its video readers;
+    the images path never calls it. Installed after transformers and datasets asked whether
+    torchvision is there (they find it is not)."""
+    if "torchvision" in sys.modules:
+        return
+    tv = types.ModuleType("torchvision")
+    tv.__version__ = "0.0"
+    tv.io = types.ModuleType("torchvision.io")
+    tv.transforms = types.ModuleType("torchvision.transforms")
+    tv.transforms.InterpolationMode = types.SimpleNamespace(BICUBIC="bicubic", BILINEAR="bilinear")
+    sys.modules.update({"torchvision": tv, "torchvision.io": tv.io, "torchvision.transforms": tv.transforms})
+
+
+_bare_torchvision()
+
+import dist_harness  # noqa: E402
+import spbcast  # noqa: E402
+import spbcast.swift  # noqa: E402
+
+WORLD, SP = 4, 2
+LEADERS, FOLLOWERS = (0, 2), (1, 3)
+SAMPLES = 13  # not a multiple of the 2 data ranks: SequenceParallelSampler rounds up
+SPECIAL_TOKENS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
+                  "<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|image_pad|>": 151655,
+                  "<|video_pad|>": 151656}
+WORDS = ["<unk>"] + [f"w{i}" for i in range(64)] + ["system", "user", "assistant", "You", "are", "a",
+                                                   "helpful", "Describe", "the", "image", "."]
+
+
+def make_tokenizer():
+    vocab = {word: i for i, word in enumerate(WORDS)}
+    vocab.update(SPECIAL_TOKENS)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<|endoftext|>",
+                                   eos_token="<|im_end|>")
+
+
+class _ImagesOnlyQwen2VLProcessor(Qwen2VLProcessor):
+    """Qwen2-VL's processor without a video processor (transformers' needs torchvision)."""
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+
+    def save_pretrained(self, save_directory, **kwargs):  # a checkpoint's copy, never read back here
+        self.tokenizer.save_pretrained(save_directory)
+        self.image_processor.save_pretrained(save_directory)
+
+
+# The image processor's bound on an image's pixels (the bench raises it for larger images).
+IMAGE_MAX_PIXELS = {"value": 28 * 28 * 16}
+
+
+def make_processor():
+    images = Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,
+                                      min_pixels=28 * 28 * 4, max_pixels=IMAGE_MAX_PIXELS["value"])
+    chat = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return _ImagesOnlyQwen2VLProcessor(image_processor=images, tokenizer=make_tokenizer(),
+                                       video_processor=None, chat_template=chat)
+
+
+def _processor_in_code(loader, model_dir, config):
+    return make_processor()
+
+
+# ms-swift's loader would read the processor from the model directory with AutoProcessor.
+swift.model.register.ModelLoader.get_processor = _processor_in_code
+
+
+def write_model(directory):
+    """A tiny Qwen2-VL (1 text layer, 1 vision block, 2 KV heads: SP 2 is plain Ulysses)."""
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=151680, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652)
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(config).save_pretrained(directory)
+    make_tokenizer().save_pretrained(directory)
+
+
+def write_dataset(directory, n=SAMPLES, seed=3, side=None):
+    """Image-and-text conversations (ms-swift's messages format) with PNG images: of varied sizes,
+    or ``side`` x ``side`` pixels."""
+    rng = np.random.RandomState(seed)
+    path = os.path.join(directory, "train.jsonl")
+    with open(path, "w") as f:
+        for i in range(n):
+            h, w = (side, side) if side else (28 * rng.randint(2, 5), 28 * rng.randint(2, 5))
+            image = os.path.join(directory, f"image{i}.png")
+            Image.fromarray(rng.randint(0, 256, (h, w, 3), dtype=np.uint8)).save(image)
+            words = " ".join(f"w{j}" for j in rng.randint(0, 64, rng.randint(3, 12)))
+            f.write(json.dumps({"messages": [{"role": "user", "content": "<image>Describe the image ."},
+                                             {"role": "assistant", "content": words}],
+                                "images": [image]}) + "\n")
+    return path
+
+
+# Every encode of a sample, in every process (DataLoader workers included): one line per call
+# in a file per rank, from the time a record starts.
+_ENCODES = {"path": None}
+_GETITEM = swift.dataset.utils.LazyLLMDataset.__getitem__
+
+
+def _counted_getitem(self, idx):
+    if _ENCODES["path"] is not None:
+        with open(_ENCODES["path"], "a") as f:
+            f.write(f"{os.getpid()}\n")
+    return _GETITEM(self, idx)
+
+
+swift.dataset.utils.LazyLLMDataset.__getitem__ = _counted_getitem
+
+
+def encodes(path):
+    """How many samples this rank encoded since the record started: in all, and in its workers."""
+    if not os.path.exists(path):
+        return 0, 0
+    with open(path) as f:
+        pids = f.read().split()
+    return len(pids), sum(pid != str(os.getpid()) for pid in pids)  # all, in other processes
+
+
+class Arm:
+    """One run of ms-swift's pipeline on every rank. kind "loader": the trainer's train loader,
+    two epochs as the Trainer drives them, then ms-swift's resume path (skip 2 batches);
+    "train": ``trainer.train()`` (max_steps, a checkpoint every ``save_steps``), or resumed
+    from ``resume`` (a checkpoint directory, relative to the job's root). A dedup arm calls
+    ``spbcast.swift.enable()``, or with ``plugin`` gives ms-swift spbcast's plugin file."""
+
+    def __init__(self, name, dedup, kind="loader", workers=0, max_steps=4, save_steps=2, resume=None,
+                 options=None, streaming=False, expect_error=False, batch_size=1, plugin=False):
+        self.name, self.dedup, self.kind, self.workers, self.batch_size = name, dedup, kind, workers, batch_size
+        self.max_steps, self.save_steps, self.resume = max_steps, save_steps, resume
+        self.options, self.streaming, self.expect_error = options or {}, streaming, expect_error
+        self.plugin = plugin  # dedup through the CLI's way: --external_plugins (instead of enable())
+
+
+def sft_arguments(arm, root):
+    args = ["--model", os.path.join(root, "model"), "--model_type", "qwen2_vl", "--template", "qwen2_vl", "--torch_dtype", "float32",
+            "--attn_impl", "sdpa", "--dataset", os.path.join(root, "data", "train.jsonl"),
+            "--split_dataset_ratio", "0", "--tuner_type", "full", "--sequence_parallel_size", str(SP),
+            "--per_device_train_batch_size", str(arm.batch_size), "--gradient_accumulation_steps", "1",
+            "--dataloader_num_workers", str(arm.workers), "--max_steps", str(arm.max_steps),
+            "--save_steps", str(arm.save_steps), "--logging_steps", "1", "--learning_rate", "1e-3",
+            "--output_dir", os.path.join(root, arm.name), "--add_version", "false", "--report_to", "none",
+            "--seed", "42", "--max_length", "512", "--use_cpu", "true", "--save_only_model", "false",
+            "--dataset_num_proc", "1", "--check_model", "false",
+            "--load_from_cache_file", "false", "--warmup_ratio", "0", "--dataloader_persistent_workers", "false"]
+    args += ["--streaming", "true"] if arm.streaming else ["--lazy_tokenize", "true"]
+    if arm.resume:
+        args += ["--resume_from_checkpoint", os.path.join(root, arm.resume)]
+    if arm.plugin:
+        args += ["--external_plugins", spbcast.swift.plugin_path()]
+    return args
+
+
+def _digest(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), tuple(value.shape),
+                hashlib.sha256(value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                if value.numel() else "")
+    if isinstance(value, dict):
+        return {k: _digest(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_digest(v) for v in value]
+    return repr(value)
+
+
+def _loader_record(trainer, record):
+    loader = trainer.get_train_dataloader()
+    record["len"] = len(loader)
+    record["epochs"] = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)  # as transformers' _run_epoch
+        batches = [_digest(batch) for batch in loader]
+        record["epochs"].append({"batches": batches, "rng": torch.get_rng_state(),
+                                 "encodes": encodes(_ENCODES["path"])[0]})
+    # ms-swift's resume path: the Trainer's skip_first_batches, patched by ms-swift to rebuild the
+    # loader through get_train_dataloader(skip_batches=n).
+    with trainer._patch_skip_first_batches():
+        skipped = transformers.trainer.skip_first_batches(loader, 2)
+    skipped.set_epoch(1)
+    record["skipped"] = {"len": len(skipped), "batches": [_digest(batch) for batch in skipped],
+                         "rng": torch.get_rng_state(), "encodes": encodes(_ENCODES["path"])[0]}
+    record["stats"] = spbcast.swift.stats(loader)
+
+
+def _train_record(trainer, record):
+    record["inputs"] = inputs = []
+    training_step = trainer.training_step
+
+    def recorded_training_step(model, batch, *args, **kwargs):
+        inputs.append(_digest(batch))  # as the loader gave it, before ms-swift splits it
+        return training_step(model, batch, *args, **kwargs)
+
+    trainer.training_step = recorded_training_step
+    trainer.train(trainer.args.resume_from_checkpoint)
+    record["losses"] = [(log["step"], log["loss"]) for log in trainer.state.log_history if "loss" in log]
+    record["parameters"] = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    record["rng"] = torch.get_rng_state()
+    record["stats"] = spbcast.swift.stats(trainer.callback_handler.train_dataloader)
+
+
+def _run_arm(arm, rank, root):
+    record = {"error": None}
+    _ENCODES["path"] = None
+
+    def train(trainer):
+        _ENCODES["path"] = os.path.join(root, f"encodes-{arm.name}-rank{rank}")
+        if os.path.exists(_ENCODES["path"]):
+            os.remove(_ENCODES["path"])
+        (_loader_record if arm.kind == "loader" else _train_record)(trainer, record)
+        _ENCODES["path"] = None
+        record["encodes"], record["encodes_in_workers"] = encodes(os.path.join(root, f"encodes-{arm.name}-rank{rank}"))
+
+    try:
+        if arm.dedup and not arm.plugin:
+            spbcast.swift.enable(**arm.options)
+        pipeline = SwiftSft(sft_arguments(arm, root))
+        pipeline.train = train
+        pipeline.main()
+    except Exception as e:  # noqa: BLE001 - recorded for the test to judge
+        if not arm.expect_error:
+            raise
+        record["error"] = f"{type(e).__name__}: {e}"
+    return record
+
+
+def _environment(rank):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+
+
+def _rank(rank, world, root, tag, arms):
+    torch.manual_seed(1234)  # the pipeline seeds every rank alike (--seed); this is before it
+    records = {}
+    for arm in arms:
+        records[arm.name] = _run_arm(arm, rank, root)
+        dist.barrier()
+    torch.save(records, os.path.join(root, f"records-{tag}-rank{rank}.pt"))
+
+
+def checkpoint(root, arm, step=2):
+    return os.path.join(root, arm, f"checkpoint-{step}")
+
+
+def prepare(root):
+    """The model and the dataset, once per job root."""
+    if not os.path.exists(os.path.join(root, "model", "config.json")):
+        os.makedirs(os.path.join(root, "data"), exist_ok=True)
+        write_model(os.path.join(root, "model"))
+        write_dataset(os.path.join(root, "data"))
+
+
+def run_arms(root, tag, arms, timeout=170):
+    """Forks one job of WORLD ranks whose ranks run ``arms`` in turn (BASE arms before dedup arms:
+    enable() is process-wide); returns {arm name: [record per rank]}."""
+    dedup = [arm.dedup for arm in arms]
+    assert dedup == sorted(dedup), "the BASE arms run before the dedup arms: enable() is process-wide"
+    prepare(root)
+    dist_harness.run(WORLD, _rank, root, tag, arms, timeout=timeout, prepare=_environment, start_method="fork")
+    per_rank = [torch.load(os.path.join(root, f"records-{tag}-rank{r}.pt"), weights_only=False)
+                for r in range(WORLD)]
+    return {arm.name: [records[arm.name] for records in per_rank] for arm in arms}
