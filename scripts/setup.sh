@@ -116,11 +116,12 @@ except m.PackageNotFoundError: pass' "$1"
             echo "setup: ${dropins[*]} present in $VENV"
         fi
         # axolotl's plugin API, for test_axolotl.py: axolotl pins its own transformers, accelerate,
-        # datasets and TRL (none of the versions above), so peft and pillow - what its plugin API
-        # and config code import beyond these - and then axolotl without its dependencies.
-        if [ "$(version_of axolotl)" != "0.19.0" ] || [ "$(version_of peft)" != "0.20.0" ]; then
+        # datasets and TRL (none of the versions above), so peft, pillow and addict - what its plugin
+        # API and config code import beyond these - and then axolotl without its dependencies.
+        if [ "$(version_of axolotl)" != "0.19.0" ] || [ "$(version_of peft)" != "0.20.0" ] \
+                || [ -z "$(version_of addict)" ]; then
             echo "setup: installing peft==0.20.0 and axolotl==0.19.0 (without its dependencies) into $VENV"
-            "$VENV/bin/pip" install -q -c "$constraint" -c "$VENV/.spbcast-dropins-constraint.txt" "peft==0.20.0" pillow
+            "$VENV/bin/pip" install -q -c "$constraint" -c "$VENV/.spbcast-dropins-constraint.txt" "peft==0.20.0" pillow addict
             "$VENV/bin/pip" install -q --no-deps "axolotl==0.19.0"
         fi
     fi

@@ -27,7 +27,7 @@ def _args_class():
     validates the config (axolotl merges this model into its own)."""
     from pydantic import BaseModel, field_validator
 
-    from .accelerate import _OPTIONS
+    from ._drop_in import OPTIONS
 
     class SpbcastArgs(BaseModel):
         """``spbcast:`` in the axolotl config: the options of ``spbcast.accelerate.enable``."""
@@ -37,10 +37,10 @@ def _args_class():
         @field_validator("spbcast")
         @classmethod
         def _known_options(cls, options):
-            unknown = sorted(set(options or ()) - set(_OPTIONS))
+            unknown = sorted(set(options or ()) - set(OPTIONS))
             if unknown:
                 raise ValueError(f"spbcast: {', '.join(map(repr, unknown))} in the axolotl config's "
-                                 f"spbcast: section; its options are {', '.join(_OPTIONS)}")
+                                 f"spbcast: section; its options are {', '.join(OPTIONS)}")
             return options
 
     return SpbcastArgs
