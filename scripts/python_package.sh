@@ -34,6 +34,10 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$sources" ] && has spbcast; then
     echo "setup: Python package spbcast up to date in $VENV"
     exit 0
 fi
+# One build at a time in this checkout: pip builds in python/build, which a second build (test.sh
+# fills the reference environment in the background) would remove under the first.
+exec 8< "$0"
+flock 8
 echo "setup: building the Python package spbcast into $VENV (about 30 s)"
 # One compile job: the extension is one source file (torch's build runs it through ccache
 # when ccache is installed).
