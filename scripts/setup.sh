@@ -1,130 +1,141 @@
 #!/usr/bin/env bash
-# Installs everything spbcast needs on a fresh Debian 12 machine, by package name:
-# the tool chain, Boost >= 1.81 (PFR, Hana), doctest, the distribution's LibTorch with Gloo,
-# libjpeg-turbo (the demo), and two virtual environments, each with torchdata and the Python
-# package built against its torch: the main one with the PyTorch 2.13.0 CPU wheel (the second
-# LibTorch generation, the Python peers of the benchmarks, the drop-ins' trainers), and the
-# reference one with the reference PR's PyTorch 2.9.1 (the Python package's tests on a second
-# torch). Where ../shared/wheels/xtuner-*.whl or $SPBCAST_XTUNER_WHEEL provides XTuner v1, each
-# environment gets an XTuner overlay beside it (<venv>-xtuner: XTuner and what it brings, over
-# the environment's own packages), so that the environment itself holds only what spbcast's
-# tests declare and a test that leans on something XTuner brings fails (docs/building.md).
-# Idempotent: a second run checks and returns in seconds.
-#   ./scripts/setup.sh                       everything
-#   ./scripts/setup.sh --no-python-package   all but the Python package (.ci/run: test.sh builds
-#                                            it, on one core, while the other builds a tree)
-#   ./scripts/setup.sh --main-only           the packages and the main environment
-#   ./scripts/setup.sh --reference-only      the packages and the reference environment (test.sh
-#                                            fills it in the background while it builds)
-#   ./scripts/setup.sh --swift-only          the packages and ms-swift's environment (spbcast.swift)
+# Installs what spbcast's scripts need on a fresh Debian 12 machine, by package name, and no more
+# than the command asks for. Each step prints its time; a second run checks and returns in seconds.
+#   ./scripts/setup.sh                   everything: the Debian packages and every environment
+#   ./scripts/setup.sh demo              what scripts/demo.sh needs: the tool chain, Boost, the
+#                                        distribution's LibTorch, libjpeg-turbo, and numpy and
+#                                        matplotlib for its plot
+#   ./scripts/setup.sh NAME...           the Debian packages the tests need and these environments
+#                                        (scripts/environments.sh: main reference swift verl demo),
+#                                        each with the Python package built into it
+#   --no-python-package                  all but building the Python package (.ci/run: test.sh
+#                                        builds it on one core while the other builds a tree)
+# The environments are made with uv (installed from PyPI into $HOME/.cache/spbcast/tools): it
+# downloads each wheel once into its cache and installs from there by hard links, so a second
+# environment with the same torch takes seconds. Each is made from scripts/envs/<name>.txt (and
+# <name>.no-deps.txt, installed without dependencies), and made anew when those files change.
+# Where XTuner v1 is at hand (../shared/wheels/xtuner-*.whl or $SPBCAST_XTUNER_WHEEL), the main
+# and reference environments get an XTuner overlay beside them (<venv>-xtuner: XTuner and what it
+# brings, over the environment's own packages), so that the environment itself holds only what
+# spbcast's tests declare and a test that leans on something XTuner brings fails
+# (docs/building.md).
 set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/environments.sh
 
 python_package=yes
-which=both
+wanted=()
 for option in "$@"; do
     case "$option" in
         --no-python-package) python_package=no ;;
-        --main-only) which=main ;;
-        --reference-only) which=reference ;;
-        --swift-only) which=swift ;;
-        *) echo "setup: unknown option '$option' (--no-python-package, --main-only, --reference-only, --swift-only)"; exit 2 ;;
+        -*) echo "setup: unknown option '$option' (--no-python-package, or environments: ${SPBCAST_ENVIRONMENTS[*]})"; exit 2 ;;
+        *) environment_dir "$option" > /dev/null || exit 2
+           wanted+=("$option") ;;
     esac
 done
-MAIN_VENV="${SPBCAST_VENV:-$HOME/.cache/spbcast/venv}"
-TORCH_WHEEL_VERSION="2.13.0"
-# The reference PR's PyTorch: PyPI's CUDA build (about 7 GB; it runs on the CPU), for the Python
-# package's tests on a second torch (the switch on every torch XTuner supports).
-REFERENCE_VENV="${SPBCAST_REFERENCE_VENV:-$HOME/.cache/spbcast/venv-torch2.9}"
-REFERENCE_TORCH_VERSION="2.9.1"
-DEBIAN_PACKAGES=(build-essential cmake ccache pkg-config python3 python3-venv
-                 libboost1.81-dev doctest-dev libtorch-dev libgloo-dev libturbojpeg0-dev
-                 iproute2 nftables clang libclang-rt-14-dev)
+[ ${#wanted[@]} -gt 0 ] || wanted=("${SPBCAST_ENVIRONMENTS[@]}")
 
+started=$(date +%s%N)
+seconds_since() { awk -v from="$1" -v to="$(date +%s%N)" 'BEGIN { printf "%.1f s", (to - from) / 1e9 }'; }
+# timed WHAT COMMAND...: says what it starts, runs it, and says how long it took.
+timed() {
+    local what="$1" start
+    shift
+    start=$(date +%s%N)
+    echo "setup: $what"
+    "$@"
+    echo "setup: $what: $(seconds_since "$start")"
+}
+
+# --- Debian packages ------------------------------------------------------------------------------
+# The demo builds one program against the distribution's LibTorch; the tests add doctest, the
+# namespaces' network tools and clang's sanitizer and fuzzer runtimes.
+DEMO_PACKAGES=(build-essential cmake ccache pkg-config python3 python3-venv
+               libboost1.81-dev libtorch-dev libgloo-dev libturbojpeg0-dev)
+TEST_PACKAGES=(doctest-dev iproute2 nftables clang libclang-rt-14-dev)
+packages=("${DEMO_PACKAGES[@]}")
+[ "${wanted[*]}" = demo ] || packages+=("${TEST_PACKAGES[@]}")
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
-
 missing=()
-for p in "${DEBIAN_PACKAGES[@]}"; do
+for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-if [ ${#missing[@]} -gt 0 ]; then
-    echo "setup: installing Debian packages: ${missing[*]}"
+install_debian_packages() {
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "$@" > /dev/null
+}
+if [ ${#missing[@]} -gt 0 ]; then
+    timed "installing Debian packages: ${missing[*]}" install_debian_packages "${missing[@]}"
 else
     echo "setup: Debian packages present"
 fi
 
-# One virtual environment: the torch it is for, never upgraded by what follows, torchdata, XTuner
-# v1 and its data pipeline's dependencies. populate_venv VENV TORCH_VERSION.
-populate_venv() {
-    local VENV="$1" TORCH_WHEEL_VERSION="$2"
-    # An environment of the earlier layout held XTuner itself, which would hide what a test
-    # needs from it: made anew (torch comes from pip's cache).
-    if [ -x "$VENV/bin/python" ] && [ ! -f "$VENV/.spbcast-layout-2" ] \
-        && "$VENV/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("xtuner") is None)'; then
-        echo "setup: $VENV holds XTuner (the earlier layout): making it anew"
-        rm -rf "$VENV" "$VENV-xtuner"
-    fi
-    if [ ! -x "$VENV/bin/python" ]; then
-        echo "setup: creating $VENV"
-        python3 -m venv "$VENV"
-    fi
-    touch "$VENV/.spbcast-layout-2"
-    # A package's installed version from its metadata, empty if absent (importing torch to ask
-    # would take seconds, on every run of every script that starts here).
-    version_of() {
-        "$VENV/bin/python" -c 'import importlib.metadata as m, sys
+# --- uv, and the indexes pip is configured with ------------------------------------------------
+TOOLS="$HOME/.cache/spbcast/tools"
+UV_VERSION=0.13.10
+UV="$TOOLS/bin/uv"
+install_uv() {
+    python3 -m venv "$TOOLS"
+    "$TOOLS/bin/pip" install -q "uv==$UV_VERSION"
+}
+if [[ "$("$UV" --version 2>/dev/null)" != "uv $UV_VERSION "* ]]; then
+    timed "installing uv $UV_VERSION into $TOOLS" install_uv
+fi
+# uv reads no pip.conf: it gets the wheel folders and indexes that pip has here, so that both
+# install the same packages (pip takes the best version across every index, and so does uv with
+# unsafe-best-match). The interpreter is python3's; uv never downloads one.
+pip_setting() {  # pip_setting NAME: PIP_<NAME>, else pip's configured global.<name>
+    local variable="PIP_$(echo "$1" | tr 'a-z-' 'A-Z_')"
+    if [ -n "${!variable:-}" ]; then echo "${!variable}"; else "$TOOLS/bin/pip" config get "global.$1" 2>/dev/null || true; fi
+}
+find_links="$(pip_setting find-links)"
+index_url="$(pip_setting index-url)"
+extra_index_url="$(pip_setting extra-index-url)"
+cert="$(pip_setting cert)"
+[ -z "$find_links" ] || export UV_FIND_LINKS="${UV_FIND_LINKS:-$find_links}"
+[ -z "$index_url" ] || export UV_INDEX_URL="${UV_INDEX_URL:-$index_url}"
+[ -z "$extra_index_url" ] || export UV_EXTRA_INDEX_URL="${UV_EXTRA_INDEX_URL:-$extra_index_url}" \
+    UV_INDEX_STRATEGY="${UV_INDEX_STRATEGY:-unsafe-best-match}"
+[ -z "$cert" ] || export SSL_CERT_FILE="${SSL_CERT_FILE:-$cert}"
+export UV_PYTHON_DOWNLOADS=never
+PYTHON="$(python3 -c 'import sys; print(sys.executable)')"
+
+# --- the environments ----------------------------------------------------------------------------
+# A package's installed version from its metadata, empty if absent (importing torch to ask would
+# take seconds). version_of PYTHON PACKAGE.
+version_of() {
+    "$1" -c 'import importlib.metadata as m, sys
 try: print(m.version(sys.argv[1]))
-except m.PackageNotFoundError: pass' "$1"
-    }
-    torch_version="$(version_of torch)"
-    if [ "${torch_version%%+*}" != "$TORCH_WHEEL_VERSION" ]; then
-        echo "setup: installing torch==$TORCH_WHEEL_VERSION into $VENV"
-        "$VENV/bin/pip" install -q "torch==$TORCH_WHEEL_VERSION"
-        torch_version="$(version_of torch)"
+except m.PackageNotFoundError: pass' "$2"
+}
+
+# make_environment NAME: the environment from scripts/envs/NAME.txt (and NAME.no-deps.txt), made
+# anew when those files change; one set-up at a time per environment (test.sh fills some in the
+# background while a script in the foreground may ask for one).
+make_environment() {
+    local name="$1" dir requirements no_deps stamp wanted_stamp lock
+    dir="$(environment_dir "$name")"
+    requirements="scripts/envs/$name.txt"
+    no_deps="scripts/envs/$name.no-deps.txt"
+    mkdir -p "$(dirname "$dir")"
+    exec {lock}> "$dir.lock"
+    flock "$lock"
+    stamp="$dir/.spbcast-environment"
+    wanted_stamp="$PYTHON $(cat scripts/envs/test-tools.txt "$requirements" "$([ -f "$no_deps" ] && echo "$no_deps" || echo /dev/null)" | sha256sum | cut -c1-16)"
+    if [ -x "$dir/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted_stamp" ]; then
+        echo "setup: environment $name up to date in $dir"
+    else
+        timed "making environment $name in $dir from $requirements" fill_environment "$dir" "$requirements" "$no_deps"
+        echo "$wanted_stamp" > "$stamp"
     fi
-    # numpy and matplotlib for plots; tensordict is one of the Python peers the benchmarks measure
-    # (the main environment only).
-    if [ "$VENV" = "$MAIN_VENV" ] && { [ -z "$(version_of numpy)" ] || [ -z "$(version_of matplotlib)" ] \
-            || [ -z "$(version_of tensordict)" ]; }; then
-        "$VENV/bin/pip" install -q numpy matplotlib "tensordict==0.15.3"
-    fi
-    echo "setup: PyTorch wheel $torch_version in $VENV"
-    # Never let a package below install or upgrade torch: every pip call is constrained to the
-    # torch already there.
-    constraint="$VENV/.spbcast-torch-constraint.txt"
-    echo "torch==$torch_version" > "$constraint"
-    # torchdata's StatefulDataLoader, for the loader tests (pure Python).
-    if [ -z "$(version_of torchdata)" ]; then
-        echo "setup: installing torchdata into $VENV"
-        "$VENV/bin/pip" install -q -c "$constraint" torchdata
-    fi
-    # The drop-ins' trainers, at the versions their tests are proven against (the main environment
-    # only): Hugging Face accelerate, transformers (XTuner's pin, so that its overlay adds none of
-    # its own), TRL and Megatron-Energon. TRL 0.29.1 is the
-    # newest whose datasets bound meets XTuner's datasets<4 (TRL 1.x needs datasets>=4.7).
-    # fsspec stays at XTuner's datasets' bound (s3fs follows it).
-    if [ "$VENV" = "$MAIN_VENV" ]; then
-        dropins=("accelerate==1.15.0" "megatron-energon==7.4.1" "transformers==5.14.1" "trl==0.29.1" "datasets<4")
-        if [ "$(version_of accelerate)" != "1.15.0" ] || [ "$(version_of megatron-energon)" != "7.4.1" ] \
-                || [ "$(version_of transformers)" != "5.14.1" ] || [ "$(version_of trl)" != "0.29.1" ]; then
-            echo "setup: installing ${dropins[*]} into $VENV"
-            printf 'fsspec<=2025.3.0\n' > "$VENV/.spbcast-dropins-constraint.txt"
-            "$VENV/bin/pip" install -q -c "$constraint" -c "$VENV/.spbcast-dropins-constraint.txt" "${dropins[@]}"
-        else
-            echo "setup: ${dropins[*]} present in $VENV"
-        fi
-        # axolotl's plugin API, for test_axolotl.py: axolotl pins its own transformers, accelerate,
-        # datasets and TRL (none of the versions above), so peft, pillow and addict - what its plugin
-        # API and config code import beyond these - and then axolotl without its dependencies.
-        if [ "$(version_of axolotl)" != "0.19.0" ] || [ "$(version_of peft)" != "0.20.0" ] \
-                || [ -z "$(version_of addict)" ]; then
-            echo "setup: installing peft==0.20.0 and axolotl==0.19.0 (without its dependencies) into $VENV"
-            "$VENV/bin/pip" install -q -c "$constraint" -c "$VENV/.spbcast-dropins-constraint.txt" "peft==0.20.0" pillow addict
-            "$VENV/bin/pip" install -q --no-deps "axolotl==0.19.0"
-        fi
-    fi
+    exec {lock}>&-
+}
+fill_environment() {  # fill_environment DIR REQUIREMENTS NO_DEPS
+    # --seed: pip too, which users of the environment (and the package's build) call.
+    [ -x "$1/bin/python" ] || "$UV" venv -q --seed -p "$PYTHON" "$1"
+    "$UV" pip install -q -p "$1/bin/python" -r "$2"
+    [ ! -f "$3" ] || "$UV" pip install -q -p "$1/bin/python" --no-deps -r "$3"
 }
 
 # XTuner v1 for its integration tests (python/tests/test_xtuner*.py), in an overlay beside VENV:
@@ -134,79 +145,56 @@ except m.PackageNotFoundError: pass' "$1"
 # XTuner's GitHub main; PyPI's xtuner is the older code without xtuner/v1). The wheel and mmengine
 # without their dependencies (they would pull GPU kernels, OpenCV and matplotlib), then the
 # pure-Python ones its data pipeline needs on a CPU machine (../shared/wheels/README.md).
-# populate_xtuner_overlay VENV.
-populate_xtuner_overlay() {
-    local VENV="$1" OVERLAY="$1-xtuner"
-    local xtuner_wheel="${SPBCAST_XTUNER_WHEEL:-}"
-    if [ -z "$xtuner_wheel" ]; then
-        for w in "$(dirname "$0")"/../../shared/wheels/xtuner-*.whl; do
-            [ -f "$w" ] && xtuner_wheel="$w"
+# make_xtuner_overlay VENV.
+XTUNER_DEPENDENCIES=(addict termcolor pyyaml rich loguru "transformers==5.14.1" "datasets<4"
+                     "fsspec<=2025.3.0" xxhash pillow cyclopts
+                     einops more-itertools)  # the last two: XTuner's Trainer (test_xtuner_trainer.py)
+make_xtuner_overlay() {
+    local venv="$1" overlay="$1-xtuner" wheel="${SPBCAST_XTUNER_WHEEL:-}" stamp wanted_stamp
+    if [ -z "$wheel" ]; then
+        for w in ../shared/wheels/xtuner-*.whl; do
+            [ -f "$w" ] && wheel="$w"
         done
     fi
-    if [ -z "$xtuner_wheel" ]; then
+    if [ -z "$wheel" ]; then
         echo "setup: no XTuner v1 wheel (../shared/wheels/xtuner-*.whl or SPBCAST_XTUNER_WHEEL): its tests will skip"
         return
     fi
-    [ -f "$xtuner_wheel" ] || { echo "setup: SPBCAST_XTUNER_WHEEL=$xtuner_wheel is not a file"; exit 1; }
-    if [ ! -x "$OVERLAY/bin/python" ]; then
-        echo "setup: creating the XTuner overlay $OVERLAY"
-        python3 -m venv "$OVERLAY"
-        "$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
-            > "$("$OVERLAY/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/spbcast-base.pth"
-    fi
-    local xtuner_stamp="$OVERLAY/.spbcast-xtuner-wheel" xtuner_sum
-    xtuner_sum="$(sha256sum "$xtuner_wheel" | cut -d' ' -f1)"
-    if [ -f "$xtuner_stamp" ] && [ "$(cat "$xtuner_stamp")" = "$xtuner_sum" ]; then
-        echo "setup: XTuner v1 ($(basename "$xtuner_wheel")) present in $OVERLAY"
+    [ -f "$wheel" ] || { echo "setup: SPBCAST_XTUNER_WHEEL=$wheel is not a file"; exit 1; }
+    stamp="$overlay/.spbcast-xtuner-wheel"
+    wanted_stamp="$(sha256sum "$wheel" | cut -d' ' -f1) ${XTUNER_DEPENDENCIES[*]}"
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted_stamp" ]; then
+        echo "setup: XTuner v1 ($(basename "$wheel")) present in $overlay"
         return
     fi
-    local xtuner_deps=(addict termcolor pyyaml rich loguru "transformers==5.14.1" "datasets<4"
-                       "fsspec<=2025.3.0" xxhash pillow cyclopts
-                       einops more-itertools)  # the last two: XTuner's Trainer (test_xtuner_trainer.py)
-    echo "setup: installing XTuner v1 from $xtuner_wheel and its data pipeline's dependencies into $OVERLAY"
-    "$OVERLAY/bin/pip" install -q --no-deps "$xtuner_wheel" "mmengine==0.11.0rc2"
-    "$OVERLAY/bin/pip" install -q -c "$VENV/.spbcast-torch-constraint.txt" "${xtuner_deps[@]}"
-    echo "$xtuner_sum" > "$xtuner_stamp"
+    timed "installing XTuner v1 from $wheel and its data pipeline's dependencies into $overlay" \
+        fill_xtuner_overlay "$venv" "$overlay" "$wheel"
+    echo "$wanted_stamp" > "$stamp"
+}
+fill_xtuner_overlay() {  # fill_xtuner_overlay VENV OVERLAY WHEEL
+    local venv="$1" overlay="$2"
+    if [ ! -x "$overlay/bin/python" ]; then
+        "$UV" venv -q --seed -p "$PYTHON" "$overlay"
+        "$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+            > "$("$overlay/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/spbcast-base.pth"
+    fi
+    # uv does not look through the .pth file, so it installs here again what these need from the
+    # environment: held to the environment's versions (never a torch of its own), but for the
+    # packages named above, which take their own bounds.
+    local named
+    named="$(printf '%s\n' spbcast "${XTUNER_DEPENDENCIES[@]}" | sed 's/[<>=!].*//' | paste -sd'|')"
+    "$UV" pip freeze -q -p "$venv/bin/python" | grep -v -i -E "^($named)( |==|$)" \
+        > "$overlay/.spbcast-base-constraint.txt"
+    "$UV" pip install -q -p "$overlay/bin/python" --no-deps "$3" "mmengine==0.11.0rc2"
+    "$UV" pip install -q -p "$overlay/bin/python" -c "$overlay/.spbcast-base-constraint.txt" "${XTUNER_DEPENDENCIES[@]}"
 }
 
-if [ "$which" = both ] || [ "$which" = main ]; then
-    populate_venv "$MAIN_VENV" "$TORCH_WHEEL_VERSION"
-    populate_xtuner_overlay "$MAIN_VENV"
-    [ "$python_package" = no ] || SPBCAST_VENV="$MAIN_VENV" "$(dirname "$0")/python_package.sh"
-fi
-if [ "$which" = both ] || [ "$which" = reference ]; then
-    # Another setup.sh (test.sh starts one in the background) may be filling it: one at a time.
-    mkdir -p "$(dirname "$REFERENCE_VENV")"
-    exec 9> "$REFERENCE_VENV.lock"
-    flock 9
-    populate_venv "$REFERENCE_VENV" "$REFERENCE_TORCH_VERSION"
-    populate_xtuner_overlay "$REFERENCE_VENV"
-    [ "$python_package" = no ] || SPBCAST_VENV="$REFERENCE_VENV" "$(dirname "$0")/python_package.sh"
-fi
-# --- ms-swift (spbcast.swift; python/tests/test_swift.py, bench/swift_step.py) -----------------
-# An environment of its own: ms-swift 4.6.0 requires datasets>=4, and XTuner's pipeline in the
-# main environment pins datasets<4. The main environment's torch (never upgraded: constrained),
-# ms-swift at the version its test is proven against with the versions pip resolved for it then,
-# and qwen-vl-utils (ms-swift's Qwen2-VL template). The Python package is built into it.
-SWIFT_VENV="${SPBCAST_SWIFT_VENV:-$HOME/.cache/spbcast/venv-swift}"
-SWIFT_PINS=("ms-swift==4.6.0" "qwen-vl-utils==0.0.14" "transformers==5.19.0" "accelerate==1.16.0"
-            "datasets==4.8.4" "peft==0.20.0" "trl==0.29.1")
-if [ "$which" = both ] || [ "$which" = swift ]; then
-    if [ ! -x "$SWIFT_VENV/bin/python" ]; then
-        echo "setup: creating $SWIFT_VENV"
-        python3 -m venv "$SWIFT_VENV"
+for name in "${wanted[@]}"; do
+    make_environment "$name"
+    dir="$(environment_dir "$name")"
+    case "$name" in main | reference) make_xtuner_overlay "$dir" ;; esac
+    if [ "$python_package" = yes ] && [ "$name" != demo ]; then
+        SPBCAST_VENV="$dir" scripts/python_package.sh
     fi
-    swift_stamp="$SWIFT_VENV/.spbcast-swift-pins"
-    if [ -f "$swift_stamp" ] && [ "$(cat "$swift_stamp")" = "torch==$TORCH_WHEEL_VERSION ${SWIFT_PINS[*]}" ]; then
-        echo "setup: ${SWIFT_PINS[*]} present in $SWIFT_VENV"
-    else
-        echo "setup: installing torch==$TORCH_WHEEL_VERSION ${SWIFT_PINS[*]} into $SWIFT_VENV"
-        "$SWIFT_VENV/bin/pip" install -q "torch==$TORCH_WHEEL_VERSION"
-        echo "torch==$TORCH_WHEEL_VERSION" > "$SWIFT_VENV/.spbcast-torch-constraint.txt"
-        "$SWIFT_VENV/bin/pip" install -q -c "$SWIFT_VENV/.spbcast-torch-constraint.txt" "${SWIFT_PINS[@]}"
-        echo "torch==$TORCH_WHEEL_VERSION ${SWIFT_PINS[*]}" > "$swift_stamp"
-    fi
-    [ "$python_package" = no ] || SPBCAST_VENV="$SWIFT_VENV" "$(dirname "$0")/python_package.sh"
-fi
-# -------------------------------------------------------------------------------------------------
-echo "setup: done"
+done
+echo "setup: done in $(seconds_since "$started")"

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Builds spbcast's tests, examples and benchmarks against both LibTorch generations - the
 # distribution's libtorch-dev and the PyTorch 2.13 wheel - and runs every test (ctest) for each;
-# then builds the Python package into the wheel's environment and runs its tests (pytest), and
-# again on the reference PR's PyTorch 2.9.1 (a second environment, filled in the background
-# while the trees build).
-#   ./scripts/test.sh              both generations and the Python package on both torches
+# then builds the Python package into the wheel's environment and runs its tests (pytest), again
+# on the reference PR's PyTorch 2.9.1, and the drop-ins whose trainers need environments of their
+# own (ms-swift's). Each environment is made only when a generation that needs it runs; the slow
+# ones fill in the background while the trees build.
+#   ./scripts/test.sh              everything below
 #   ./scripts/test.sh system       only the distribution's LibTorch
 #   ./scripts/test.sh wheel        only the wheel
 #   ./scripts/test.sh python       only the Python package (PyTorch 2.13)
@@ -14,9 +15,10 @@
 #   ./scripts/test.sh --build GEN  only configure and build GEN's tree (system or wheel)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/environments.sh
 
-VENV="${SPBCAST_VENV:-$HOME/.cache/spbcast/venv}"
-REFERENCE_VENV="${SPBCAST_REFERENCE_VENV:-$HOME/.cache/spbcast/venv-torch2.9}"
+VENV="$(environment_dir main)"
+REFERENCE_VENV="$(environment_dir reference)"
 # Lets ccache reuse objects between clones in different folders (CI builds a fresh clone).
 export CCACHE_BASEDIR="$PWD"
 JOBS="${SPBCAST_JOBS:-2}"
@@ -40,29 +42,37 @@ if [ "${1:-}" = "--build" ]; then
     exit
 fi
 
-./scripts/setup.sh --main-only  # installs what is missing; seconds when everything is there
+./scripts/setup.sh main  # installs what is missing; seconds when everything is there
 generations=("${@:-system wheel python python-2.9 python-swift}")
 generations=(${generations[*]})
 
-# The reference environment (about 7 GB to download the first time) fills while the trees build,
-# at a low priority; the python-2.9 generation waits for it.
-reference_setup=""
-if [[ " ${generations[*]} " == *" python-2.9 "* ]]; then
+# The environments of the later generations fill while the trees build, at a low priority, one
+# after the other; each suite asks for its own first (scripts/setup.sh NAME: it waits while the
+# background is making it, and is seconds once it is there).
+later_environments=()
+for gen in "${generations[@]}"; do
+    case "$gen" in
+        python-2.9) later_environments+=(reference) ;;
+        python-swift) later_environments+=(swift) ;;
+    esac
+done
+environments_setup=""
+if [ ${#later_environments[@]} -gt 0 ]; then
     set -m
-    nice -n 10 ./scripts/setup.sh --reference-only > build-python-2.9.setup.log 2>&1 &
-    reference_setup=$!
+    nice -n 10 ./scripts/setup.sh "${later_environments[@]}" > build-environments.setup.log 2>&1 &
+    environments_setup=$!
     set +m
 fi
+# ensure_environment NAME: the environment, made now if the background has not made it yet.
+ensure_environment() {
+    ./scripts/setup.sh "$1" > "build-$1.setup.log" 2>&1 \
+        || { grep -v "^WARNING: Location" "build-$1.setup.log"; exit 1; }
+}
 
 # While one generation's tests run, the next generation's tree builds at the lowest nice level:
 # it takes the CPU that the tests leave free - they mostly wait on sockets, processes and
 # timeouts - and next to nothing while they compute, so it cannot slow a timed test. Its output
 # goes to build-<gen>.log.
-wait_for_reference() {
-    echo "=== spbcast: waiting for the reference environment (build-python-2.9.setup.log)"
-    wait "$reference_setup" || { grep -v "^WARNING: Location" build-python-2.9.setup.log; exit 1; }
-    reference_setup=""
-}
 # What differs between torch releases, within CI's budget: the XTuner switch on XTuner's real
 # pipeline (the media one) and Trainer (DeviceMesh, the accelerator API, DataLoader workers), the
 # loader's failures, patience and prefetch (group timeouts and names, the generator's state,
@@ -87,12 +97,11 @@ run_xtuner_tests() {
     fi
 }
 
-# --- ms-swift (spbcast.swift) in its own environment: scripts/setup.sh --swift-only fills it and
-# builds the Python package into it (seconds when both are there) -------------------------------
-SWIFT_VENV="${SPBCAST_SWIFT_VENV:-$HOME/.cache/spbcast/venv-swift}"
+# --- ms-swift (spbcast.swift) in its own environment ---------------------------------------------
+SWIFT_VENV="$(environment_dir swift)"
 run_swift_suite() {
     echo "=== spbcast: spbcast.swift against ms-swift ($SWIFT_VENV)"
-    ./scripts/setup.sh --swift-only
+    ensure_environment swift
     "$SWIFT_VENV/bin/python" -m pytest -q python/tests/test_swift.py
 }
 # -------------------------------------------------------------------------------------------------
@@ -100,7 +109,7 @@ run_swift_suite() {
 background=""
 reference_suite=""
 trap '[ -z "$background" ] || kill -- "-${background##*:}" 2>/dev/null || true
-      [ -z "$reference_setup" ] || kill -- "-$reference_setup" 2>/dev/null || true
+      [ -z "$environments_setup" ] || kill -- "-$environments_setup" 2>/dev/null || true
       [ -z "$reference_suite" ] || kill -- "-$reference_suite" 2>/dev/null || true' EXIT
 for i in "${!generations[@]}"; do
     gen="${generations[$i]}"
@@ -109,7 +118,7 @@ for i in "${!generations[@]}"; do
         wait "${background##*:}" || { cat "build-$gen.log"; exit 1; }
         background=""
         grep "spbcast:" "build-$gen.log" || true
-    elif [ "$gen" != python ] && [ "$gen" != python-2.9 ] && [ "$gen" != python-swift ]; then
+    elif [[ "$gen" != python* ]]; then
         build "$gen"  # refuses an unknown generation
     fi
     next="${generations[$((i + 1))]:-}"
@@ -135,7 +144,7 @@ for i in "${!generations[@]}"; do
             # The two suites run side by side: their ranks mostly wait on sockets, processes and
             # timeouts (every distributed test waits for all its ranks to set up before it starts,
             # and bounds its waits generously), and CI has two cores for 36 minutes.
-            wait_for_reference
+            ensure_environment reference
             set -m
             run_reference_suite > build-python-2.9.test.log 2>&1 &
             reference_suite=$!
@@ -155,7 +164,7 @@ for i in "${!generations[@]}"; do
             cat build-python-2.9.test.log
             [ "$status" = 0 ] || exit "$status"
         else
-            wait_for_reference
+            ensure_environment reference
             run_reference_suite
         fi
     else
