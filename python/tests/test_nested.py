@@ -160,7 +160,7 @@ def _tensordicts(rank, world):
         if rank != src:
             assert_same(expected, got)
             assert got["batch"]["input_ids"].offsets() is got["batch"]["position_ids"].offsets()
-            assert got["batch"]["uids"] == ["a", "b"] and got["batch"]["grid"].tolist() == [[1, 3], [2, 4]]
+            assert got["batch"]["uids"] == ["a", "b"] and dict(got["batch"].items())["grid"].tolist() == [[1, 3], [2, 4]]
 
 
 def test_tensordicts_round_trip():
