@@ -1,0 +1,297 @@
+"""verl's real SFT trainer on 4 CPU Gloo ranks (dp 2 x sp 2), for test_verl.py and bench/verl_step.py.
+
+Importing this module imports verl, transformers and tensordict once (seconds); ``run_arms`` then
+forks the 4 ranks of one job from this process, and each rank runs several arms, one after the
+other: verl's own ``SFTTrainer`` (its hydra configuration ``sft_trainer_engine``, its
+``MultiTurnSFTDataset`` over a parquet file, its ``SFTTensorCollator`` with ``pad_mode:
+no_padding``, its ``StatefulDataLoader`` over a ``DistributedSampler``, its ``fit()`` loop and its
+``CheckpointHandler``) - the BASE arms first, then ``spbcast.verl.enable()`` (process-wide) and
+the dedup arms. Each rank records what it saw.
+
+Stood in for: verl's model engine alone (``SFTTrainer._build_engine``: its ``TrainingWorker``
+and FSDP engine). verl 0.9.1's FSDP engine runs Ulysses attention through its flash-attention
+and NCCL-only paths (all-to-all over the sp group, which Gloo does not provide), so it cannot
+train on these CPU ranks. The stand-in builds the engine's real (dp, sp) Gloo device mesh with
+``init_device_mesh`` exactly as ``FSDPEngine._init_device_mesh`` does, answers the engine's data
+questions (dp rank and size, dp group, SP rank 0 as ``is_mp_src_rank_with_outputs``) as
+``FSDPEngine`` does, records each batch ``fit()`` hands to ``train_batch`` (the TensorDict verl
+built from the loader's batch) and returns a loss; its checkpoint holds nothing. And verl's
+device memory probes (``log_gpu_memory_usage``, ``aggressive_empty_cache``: verl 0.9.1 has no CPU
+platform and would ask CUDA), which only log and free device memory. Everything about
+the data - dataset, collator, loader, sampler epochs, ``fit()``, the checkpoint handler's
+``data_<dp>.pt`` and its resume - is verl's.
+
+The model is a tiny Qwen2 written to a directory from a config (random weights, a word-level
+tokenizer with a chat template); with ``multimodal``, a tiny Qwen2-VL and its processor (image
+samples as PNG files). Nothing is downloaded.
+"""
+
+import hashlib
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+from tensordict.tensorclass import NonTensorData, NonTensorStack  # noqa: E402
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+import verl.trainer.sft_trainer as sft_trainer  # noqa: E402
+import verl.utils.dataset.multiturn_sft_dataset as multiturn  # noqa: E402
+
+import dist_harness  # noqa: E402
+import spbcast.verl  # noqa: E402
+
+WORLD, SP = 4, 2
+LEADERS, FOLLOWERS = (0, 2), (1, 3)
+SAMPLES = 24  # 2 dp ranks x 4 steps x batch 3 per dp rank
+STEPS_PER_EPOCH = 4
+SPECIAL_TOKENS = {"<|endoftext|>": 500, "<|im_start|>": 501, "<|im_end|>": 502}
+WORDS = ["<unk>"] + [f"w{i}" for i in range(64)] + ["system", "user", "assistant", "\n"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> "
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
+def make_tokenizer():
+    vocab = {word: i for i, word in enumerate(WORDS)}
+    vocab.update(SPECIAL_TOKENS)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<|endoftext|>",
+                                        eos_token="<|im_end|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def write_model(directory):
+    config = Qwen2Config(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(directory)
+    make_tokenizer().save_pretrained(directory)
+
+
+def write_dataset(directory, n=SAMPLES, seed=3):
+    """Multi-turn conversations (verl's messages format) of varied lengths, as a parquet file."""
+    rng = np.random.RandomState(seed)
+
+    def words():
+        return " ".join(f"w{j}" for j in rng.randint(0, 64, rng.randint(2, 14)))
+
+    rows = [{"messages": [{"role": "user", "content": words()}, {"role": "assistant", "content": words()}]
+             + ([{"role": "user", "content": words()}, {"role": "assistant", "content": words()}]
+                if i % 3 == 0 else [])} for i in range(n)]
+    path = os.path.join(directory, "train.parquet")
+    pd.DataFrame(rows).to_parquet(path)
+    return path
+
+
+# Every read of a sample (MultiTurnSFTDataset.__getitem__: read, tokenize, with a processor
+# decode), in every process (DataLoader workers included): one line per call in a file per rank.
+_READS = {"path": None}
+_GETITEM = multiturn.MultiTurnSFTDataset.__getitem__
+
+
+def _counted_getitem(self, item):
+    if _READS["path"] is not None:
+        with open(_READS["path"], "a") as f:
+            f.write(f"{os.getpid()}\n")
+    return _GETITEM(self, item)
+
+
+multiturn.MultiTurnSFTDataset.__getitem__ = _counted_getitem
+
+
+def reads(path):
+    """How many samples this rank read since the arm started: in all, and in its workers."""
+    if not os.path.exists(path):
+        return 0, 0
+    with open(path) as f:
+        pids = f.read().split()
+    return len(pids), sum(pid != str(os.getpid()) for pid in pids)
+
+
+def digest(value):
+    """What a batch holds, exactly: dtypes, shapes, strides, a nested tensor's layout, ragged
+    dimension, values and offsets, non-tensor data."""
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        return ("nested", str(value.layout), str(value.dtype), value._ragged_idx,
+                digest(value.values()), digest(value.offsets()))
+    if isinstance(value, torch.Tensor):
+        data = value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b""
+        return ("tensor", str(value.dtype), tuple(value.shape), value.stride(), value.requires_grad,
+                hashlib.sha256(data).hexdigest())
+    if isinstance(value, NonTensorStack):
+        return ("stack", digest(value.tolist()))
+    if isinstance(value, NonTensorData):
+        return ("data", digest(value.data))
+    if isinstance(value, TensorDict):
+        return ("tensordict", tuple(value.batch_size), {k: digest(value.get(k)) for k in sorted(value.keys())})
+    if isinstance(value, dict):
+        return {k: digest(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [digest(v) for v in value]
+    return repr(value)
+
+
+class _StandInEngine:
+    """Stands in for verl's FSDP engine and its TrainingWorker (see the module's docstring): the
+    real (dp, sp) Gloo mesh, FSDPEngine's answers about it, and a record of every batch."""
+
+    def __init__(self, sp):
+        self.sp = sp
+        dp = dist.get_world_size() // sp
+        self.ulysses_device_mesh = init_device_mesh("cpu", mesh_shape=(dp, sp), mesh_dim_names=["dp", "sp"])
+        self.batches = []
+        self.engine = self
+
+    # FSDPEngine's data questions, answered as it answers them
+    def is_mp_src_rank_with_outputs(self):
+        return self.ulysses_device_mesh["sp"].get_local_rank() == 0
+
+    def get_data_parallel_rank(self):
+        return self.ulysses_device_mesh["dp"].get_local_rank()
+
+    def get_data_parallel_size(self):
+        return dist.get_world_size() // self.sp
+
+    def get_data_parallel_group(self):
+        return self.ulysses_device_mesh.get_group(mesh_dim="dp")
+
+    # the checkpoint manager's: no model to save
+    def save_checkpoint(self, local_path, global_step, max_ckpt_to_keep=None):
+        os.makedirs(local_path, exist_ok=True)
+
+    def load_checkpoint(self, path):
+        pass
+
+    # TrainingWorker's
+    def set_loss_fn(self, loss_fn):
+        pass
+
+    def reset(self):
+        pass
+
+    def start_profile(self):
+        pass
+
+    def step_profile(self):
+        pass
+
+    def stop_profile(self):
+        pass
+
+    def train_batch(self, data):
+        self.batches.append({"batch": digest(data), "rng": torch.get_rng_state()})
+        loss = float(data["loss_mask"].values().sum()) if data["loss_mask"].is_nested else float(data["loss_mask"].sum())
+        return TensorDict({"metrics": NonTensorData({"loss": loss})}, batch_size=[])
+
+
+# verl 0.9.1 has no CPU platform (it falls back to CUDA's): its device memory probes, which the
+# trainer only logs, would ask CUDA. Stood in for by nothing, in BASE and dedup alike.
+sft_trainer.log_gpu_memory_usage = lambda *args, **kwargs: None
+sft_trainer.aggressive_empty_cache = lambda *args, **kwargs: None
+
+
+class RecordingSFTTrainer(sft_trainer.SFTTrainer):
+    """verl's SFTTrainer with the engine stood in for (``_build_engine``); all else is verl's."""
+
+    def _build_engine(self):
+        self.training_client = self.engine = _StandInEngine(self.engine_config.ulysses_sequence_parallel_size)
+
+
+class Arm:
+    """One run of verl's SFTTrainer on every rank: ``fit()`` for ``steps`` steps with a checkpoint
+    every ``save_freq`` steps, or resumed from ``resume`` (an arm's name: its checkpoint after
+    step ``save_freq``). A dedup arm calls ``spbcast.verl.enable(**options)``."""
+
+    def __init__(self, name, dedup, workers=2, steps=6, save_freq=3, resume=None, options=None, sp=SP,
+                 strategy="fsdp", expect_error=False, pad_mode="no_padding"):
+        self.name, self.dedup, self.workers, self.steps, self.save_freq = name, dedup, workers, steps, save_freq
+        self.resume, self.options, self.sp, self.strategy = resume, options or {}, sp, strategy
+        self.expect_error, self.pad_mode = expect_error, pad_mode
+
+
+def checkpoint(root, arm, step=3):
+    return os.path.join(root, arm, f"global_step_{step}")
+
+
+def config(arm, root):
+    directory = os.path.join(os.path.dirname(sft_trainer.__file__), "config")
+    overrides = [
+        f"model.path={os.path.join(root, 'model')}", "model.use_remove_padding=true",
+        f"data.train_files={os.path.join(root, 'data', 'train.parquet')}", "data.val_files=null",
+        f"data.train_batch_size={3 * WORLD // arm.sp}", "data.micro_batch_size_per_gpu=3",
+        f"data.num_workers={arm.workers}", f"data.pad_mode={arm.pad_mode}", "data.max_length=256",
+        f"engine.ulysses_sequence_parallel_size={arm.sp}", f"engine.strategy={arm.strategy}",
+        "trainer.logger=[console]", f"trainer.total_training_steps={arm.steps}", "trainer.total_epochs=2",
+        f"trainer.save_freq={arm.save_freq}", f"trainer.default_local_dir={os.path.join(root, arm.name)}",
+        "trainer.resume_mode=" + ("resume_path" if arm.resume else "disable"), "trainer.device=cpu"]
+    if arm.resume:
+        overrides.append(f"trainer.resume_from_path={checkpoint(root, arm.resume, arm.save_freq)}")
+    with initialize_config_dir(config_dir=directory, version_base=None):
+        return compose(config_name="sft_trainer_engine", overrides=overrides)
+
+
+def _run_arm(arm, rank, root):
+    record = {"error": None}
+    path = os.path.join(root, f"reads-{arm.name}-rank{rank}")
+    if os.path.exists(path):
+        os.remove(path)
+    _READS["path"] = path
+    try:
+        if arm.dedup:
+            spbcast.verl.enable(**arm.options)
+        trainer = RecordingSFTTrainer(config(arm, root))
+        record["len"] = len(trainer.train_dataloader)
+        record["class"] = type(trainer.train_dataloader).__name__
+        trainer.fit()
+        record["steps"] = trainer.engine.batches
+        record["rng"] = torch.get_rng_state()
+        record["stats"] = spbcast.verl.stats(trainer.train_dataloader)
+        record["state"] = trainer.train_dataloader.state_dict()
+    except Exception as e:  # noqa: BLE001 - recorded for the test to judge
+        if not arm.expect_error:
+            raise
+        record["error"] = f"{type(e).__name__}: {e}"
+    _READS["path"] = None
+    record["reads"], record["reads_in_workers"] = reads(path)
+    return record
+
+
+def _rank(rank, world, root, tag, arms):
+    torch.manual_seed(1234)  # every rank alike, as verl's launch leaves them
+    records = {}
+    for arm in arms:
+        records[arm.name] = _run_arm(arm, rank, root)
+        dist.barrier()
+    torch.save(records, os.path.join(root, f"records-{tag}-rank{rank}.pt"))
+
+
+def prepare(root):
+    """The model and the dataset, once per job root."""
+    if not os.path.exists(os.path.join(root, "model", "config.json")):
+        os.makedirs(os.path.join(root, "data"), exist_ok=True)
+        write_model(os.path.join(root, "model"))
+        write_dataset(os.path.join(root, "data"))
+
+
+def run_arms(root, tag, arms, timeout=170):
+    """Forks one job of WORLD ranks whose ranks run ``arms`` in turn (BASE arms before dedup arms:
+    enable() is process-wide); returns {arm name: [record per rank]}."""
+    dedup = [arm.dedup for arm in arms]
+    assert dedup == sorted(dedup), "the BASE arms run before the dedup arms: enable() is process-wide"
+    prepare(root)
+    dist_harness.run(WORLD, _rank, root, tag, arms, timeout=timeout, start_method="fork")
+    per_rank = [torch.load(os.path.join(root, f"records-{tag}-rank{r}.pt"), weights_only=False)
+                for r in range(WORLD)]
+    return {arm.name: [records[arm.name] for records in per_rank] for arm in arms}
