@@ -54,8 +54,9 @@ WORLD, SP = 4, 2
 LEADERS, FOLLOWERS = (0, 2), (1, 3)
 SAMPLES = 24  # 2 dp ranks x 4 steps x batch 3 per dp rank
 STEPS_PER_EPOCH = 4
-SPECIAL_TOKENS = {"<|endoftext|>": 500, "<|im_start|>": 501, "<|im_end|>": 502}
-WORDS = ["<unk>"] + [f"w{i}" for i in range(64)] + ["system", "user", "assistant", "\n"]
+WORDS = ["<unk>"] + [f"w{i}" for i in range(64)] + ["system", "user", "assistant"]
+# After the words, no hole in the ids: a saved WordLevel vocabulary with holes reads back corrupted.
+SPECIAL_TOKENS = {t: len(WORDS) + i for i, t in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])}
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> "
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
 
@@ -73,11 +74,13 @@ def make_tokenizer():
 
 
 def write_model(directory):
-    config = Qwen2Config(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    config = Qwen2Config(vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512)
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(directory)
-    make_tokenizer().save_pretrained(directory)
+    # A directory of its own (model.tokenizer_path): beside a Qwen2 config.json, transformers'
+    # AutoTokenizer would read it as Qwen2's BPE tokenizer.
+    make_tokenizer().save_pretrained(os.path.join(directory, "tokenizer"))
 
 
 def write_dataset(directory, n=SAMPLES, seed=3):
@@ -206,7 +209,8 @@ class RecordingSFTTrainer(sft_trainer.SFTTrainer):
     """verl's SFTTrainer with the engine stood in for (``_build_engine``); all else is verl's."""
 
     def _build_engine(self):
-        self.training_client = self.engine = _StandInEngine(self.engine_config.ulysses_sequence_parallel_size)
+        sp = getattr(self.engine_config, "ulysses_sequence_parallel_size", 1)  # FSDPEngineConfig's
+        self.training_client = self.engine = _StandInEngine(sp)
 
 
 class Arm:
@@ -215,9 +219,9 @@ class Arm:
     step ``save_freq``). A dedup arm calls ``spbcast.verl.enable(**options)``."""
 
     def __init__(self, name, dedup, workers=2, steps=6, save_freq=3, resume=None, options=None, sp=SP,
-                 strategy="fsdp", expect_error=False, pad_mode="no_padding"):
+                 engine="fsdp", expect_error=False, pad_mode="no_padding"):
         self.name, self.dedup, self.workers, self.steps, self.save_freq = name, dedup, workers, steps, save_freq
-        self.resume, self.options, self.sp, self.strategy = resume, options or {}, sp, strategy
+        self.resume, self.options, self.sp, self.engine = resume, options or {}, sp, engine
         self.expect_error, self.pad_mode = expect_error, pad_mode
 
 
@@ -228,14 +232,17 @@ def checkpoint(root, arm, step=3):
 def config(arm, root):
     directory = os.path.join(os.path.dirname(sft_trainer.__file__), "config")
     overrides = [
-        f"model.path={os.path.join(root, 'model')}", "model.use_remove_padding=true",
+        f"model.path={os.path.join(root, 'model')}", f"model.tokenizer_path={os.path.join(root, 'model', 'tokenizer')}",
+        "model.use_remove_padding=true",
         f"data.train_files={os.path.join(root, 'data', 'train.parquet')}", "data.val_files=null",
         f"data.train_batch_size={3 * WORLD // arm.sp}", "data.micro_batch_size_per_gpu=3",
         f"data.num_workers={arm.workers}", f"data.pad_mode={arm.pad_mode}", "data.max_length=256",
-        f"engine.ulysses_sequence_parallel_size={arm.sp}", f"engine.strategy={arm.strategy}",
-        "trainer.logger=[console]", f"trainer.total_training_steps={arm.steps}", "trainer.total_epochs=2",
-        f"trainer.save_freq={arm.save_freq}", f"trainer.default_local_dir={os.path.join(root, arm.name)}",
+        f"engine={arm.engine}", "trainer.logger=[console]", f"trainer.total_training_steps={arm.steps}",
+        "trainer.total_epochs=2", f"trainer.save_freq={arm.save_freq}",
+        f"trainer.default_local_dir={os.path.join(root, arm.name)}",
         "trainer.resume_mode=" + ("resume_path" if arm.resume else "disable"), "trainer.device=cpu"]
+    if arm.engine == "fsdp":  # the FSDP engine's Ulysses SP
+        overrides.append(f"engine.ulysses_sequence_parallel_size={arm.sp}")
     if arm.resume:
         overrides.append(f"trainer.resume_from_path={checkpoint(root, arm.resume, arm.save_freq)}")
     with initialize_config_dir(config_dir=directory, version_base=None):
@@ -248,6 +255,7 @@ def _run_arm(arm, rank, root):
     if os.path.exists(path):
         os.remove(path)
     _READS["path"] = path
+    torch.manual_seed(1234)  # every arm from the same generator, every rank alike
     try:
         if arm.dedup:
             spbcast.verl.enable(**arm.options)
@@ -269,7 +277,6 @@ def _run_arm(arm, rank, root):
 
 
 def _rank(rank, world, root, tag, arms):
-    torch.manual_seed(1234)  # every rank alike, as verl's launch leaves them
     records = {}
     for arm in arms:
         records[arm.name] = _run_arm(arm, rank, root)
