@@ -273,6 +273,10 @@ def assert_same(expected, got, path="batch", tensors=None):
         assert kinds(got) == kinds(expected), f"{path}: element types differ"
     elif te in (int, bool, str, bytes, type(None)):
         assert got == expected, f"{path}: {got!r} != {expected!r}"
+    elif isinstance(expected, torch.Tensor) and expected.is_nested:
+        _same_jagged(expected, got, path, tensors)
+    elif te.__module__.split(".")[0] == "tensordict":
+        _same_tensordict(expected, got, path, tensors)
     else:
         fe = _state(expected)
         fg = _state(got)
@@ -281,6 +285,57 @@ def assert_same(expected, got, path="batch", tensors=None):
             assert_same(fe[k], fg[k], f"{path}.{k}", tensors)
     if top:
         assert_same_aliasing(tensors)
+
+
+def _ragged_shape(t):
+    # A ragged size is a nested int, one per offsets tensor and process: where, not which.
+    return [d if type(d) is int else "ragged" for d in t.shape]
+
+
+def _same_jagged(expected, got, path, tensors):
+    """Jagged nested tensors equal in all a trainer observes: the parts bit for bit (their
+    identity and storage sharing with the batch's other tensors too), the ragged dimension,
+    the shape, dtype, requires_grad, and the cached min/max sequence lengths (absent or equal)."""
+    assert got.layout == expected.layout == torch.jagged, f"{path}: layout {got.layout}"
+    assert got._ragged_idx == expected._ragged_idx, f"{path}: ragged dimension"
+    assert _ragged_shape(got) == _ragged_shape(expected), f"{path}: shape {got.shape} != {expected.shape}"
+    assert got.dtype == expected.dtype and got.requires_grad == expected.requires_grad, path
+    assert got.is_leaf == expected.is_leaf, f"{path}: is_leaf"
+    assert got.is_contiguous() == expected.is_contiguous(), f"{path}: contiguity"
+    for key in ("min_seqlen", "max_seqlen"):
+        e, g = expected._metadata_cache.get(key), got._metadata_cache.get(key)
+        assert (e is None) == (g is None), f"{path}: cached {key} present {g is not None}"
+        if e is not None:
+            assert e.shape == g.shape, f"{path}: cached {key} {g.shape[0]} != {e.shape[0]}"
+    assert (got.lengths() is None) == (expected.lengths() is None), f"{path}: lengths"
+    assert_same(expected._values, got._values, f"{path}._values", tensors)
+    assert_same(expected.offsets(), got.offsets(), f"{path}.offsets()", tensors)
+    if expected.lengths() is not None:
+        assert_same(expected.lengths(), got.lengths(), f"{path}.lengths()", tensors)
+    assert torch.equal(tensor_bytes(got.values().detach()), tensor_bytes(expected.values().detach())), path
+    for i, (e, g) in enumerate(zip(expected.unbind(), got.unbind())):
+        assert e.shape == g.shape and torch.equal(tensor_bytes(e.detach()), tensor_bytes(g.detach())), \
+            f"{path}.unbind()[{i}]"
+
+
+def _same_tensordict(expected, got, path, tensors):
+    """TensorDict, NonTensorData, NonTensorStack: the same class, batch_size, device, names,
+    keys in order, lock and entries."""
+    assert got.batch_size == expected.batch_size, f"{path}: batch_size {got.batch_size} != {expected.batch_size}"
+    assert got.device == expected.device, f"{path}: device {got.device} != {expected.device}"
+    name = type(expected).__name__
+    if name == "NonTensorData":
+        assert_same(expected.data, got.data, f"{path}.data", tensors)
+    elif name == "NonTensorStack":
+        assert got.stack_dim == expected.stack_dim, f"{path}: stack_dim"
+        assert_same(list(expected.tensordicts), list(got.tensordicts), f"{path}.tensordicts", tensors)
+    else:
+        assert got.names == expected.names, f"{path}: names {got.names} != {expected.names}"
+        assert got.is_locked == expected.is_locked, f"{path}: is_locked"
+        e, g = dict(expected.items()), dict(got.items())
+        assert list(g) == list(e), f"{path}: keys {list(g)} != {list(e)}"
+        for k in e:
+            assert_same(e[k], g[k], f"{path}[{k!r}]", tensors)
 
 
 def _state(obj):

@@ -6,6 +6,8 @@ import logging
 
 import torch
 
+from .._wire import torch_nested
+
 
 class Stats:
     """This rank's counters. ``loads_here``: this rank runs the loader (the leader, or every rank
@@ -61,6 +63,9 @@ def _tensor_bytes(value, seen=None):
     """The bytes of the distinct tensor storages in a batch (as spbcast sends each once)."""
     seen = set() if seen is None else seen
     if isinstance(value, torch.Tensor):
+        if torch_nested.is_jagged(value):  # no storage of its own: its parts' storages
+            p = torch_nested.parts(value)
+            return sum(_tensor_bytes(t, seen) for t in (p.values, p.offsets, p.lengths) if t is not None)
         storage = value.untyped_storage()
         if storage.data_ptr() in seen:
             return 0
@@ -70,6 +75,9 @@ def _tensor_bytes(value, seen=None):
         return sum(_tensor_bytes(v, seen) for v in value.values())
     if isinstance(value, (list, tuple)):
         return sum(_tensor_bytes(v, seen) for v in value)
+    if type(value).__module__.split(".")[0] == "tensordict":  # TensorDict, NonTensorData, ...
+        values = getattr(value, "values", None)
+        return sum(_tensor_bytes(v, seen) for v in values()) if callable(values) else 0
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return sum(_tensor_bytes(getattr(value, f.name), seen) for f in dataclasses.fields(value))
     return 0

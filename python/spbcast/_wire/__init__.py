@@ -12,6 +12,8 @@ how a follower rebuilds it - is stated in one place, as the C++ wire states its 
     kind_containers  lists, dicts, OrderedDict, defaultdict, sets and frozensets, torch.Size
     kind_records     tuples, named tuples, objects (dataclasses and plain classes)
     kind_numpy       numpy arrays and scalars
+    kind_nested      jagged nested tensors (torch.nested); torch_nested, the torch internals read
+    kind_tensordict  tensordict's TensorDict, NonTensorData and NonTensorStack
     kinds            the table of kinds the codec dispatches through
     value_codec      the walk over a tree: nesting, cycles, paths, classes resolved once
     field_path       the path an error names; what a follower raises for a refused value
@@ -31,5 +33,7 @@ from .allow_list import _allowed_classes, allow_classes, allow_modules  # noqa: 
 from .envelope import (KIND_ERROR, KIND_VALUE, MAGIC, WIRE_VERSION, decode, decode_body, encode,  # noqa: F401
                        error_envelope, open_envelope)
 from .kind_traits import (MAX_DEPTH, MAX_STRING_BYTES, TAG_BYTES, TAG_DEFAULTDICT, TAG_ENUM,  # noqa: F401
-                          TAG_FROZENSET, TAG_NAMEDTUPLE, TAG_NUMPY_ARRAY, TAG_NUMPY_SCALAR, TAG_OBJECT,
-                          TAG_ORDERED_DICT, TAG_SET, TAG_SIZE, TAG_SURROGATE_STR, TAG_TUPLE)
+                          TAG_FROZENSET, TAG_JAGGED, TAG_NAMEDTUPLE, TAG_NON_TENSOR_DATA,
+                          TAG_NON_TENSOR_STACK, TAG_NUMPY_ARRAY, TAG_NUMPY_SCALAR, TAG_OBJECT,
+                          TAG_ORDERED_DICT, TAG_SET, TAG_SIZE, TAG_SURROGATE_STR, TAG_TENSORDICT,
+                          TAG_TUPLE)

@@ -6,9 +6,9 @@ from .field_path import Refused, path_text
 from .value_codec import Decoder, Encoder
 
 # Version 2 added the tags from TAG_SET on and the allow-list; 3 the tagged form of a str that
-# is not UTF-8 (TAG_SURROGATE_STR).
+# is not UTF-8 (TAG_SURROGATE_STR); 4 jagged nested tensors and the tensordict kinds.
 MAGIC = "spbcast.py"
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 KIND_VALUE = 0
 KIND_ERROR = 1
 

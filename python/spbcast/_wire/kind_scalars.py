@@ -71,10 +71,15 @@ class Tensor(Kind):
         if value.device.type != "cpu":
             encoder.fail(path, f"a tensor on {value.device}; spbcast sends CPU tensors, so move it "
                                "to the CPU in the collator (.cpu())")
-        if value.layout != torch.strided or value.is_nested:
-            kind = "nested" if value.is_nested else str(value.layout).replace("torch.", "")
-            encoder.fail(path, f"a {kind} tensor; spbcast sends dense strided tensors (convert it, "
-                               "e.g. t.to_dense())")
+        if value.is_nested:
+            encoder.fail(path, "a nested tensor of the strided layout; spbcast sends nested tensors "
+                               "of the jagged layout: build it with layout=torch.jagged (torch.nested."
+                               "nested_tensor(ts, layout=torch.jagged), or torch.nested.as_nested_tensor"
+                               "(t.unbind(), layout=torch.jagged)), or send t.unbind() or "
+                               "t.to_padded_tensor(0)")
+        if value.layout != torch.strided:
+            encoder.fail(path, f"a {str(value.layout).replace('torch.', '')} tensor; spbcast sends "
+                               "dense strided tensors (convert it, e.g. t.to_dense())")
         if not _C.dtype_supported(value):
             encoder.fail(path, f"a tensor of dtype {value.dtype}, which spbcast does not send")
         return value

@@ -41,6 +41,11 @@ TAG_ORDERED_DICT = 8
 TAG_DEFAULTDICT = 9
 TAG_NUMPY_ARRAY = 10
 TAG_NUMPY_SCALAR = 11
+# 12 is TAG_SURROGATE_STR (above).
+TAG_JAGGED = 13
+TAG_TENSORDICT = 14
+TAG_NON_TENSOR_DATA = 15
+TAG_NON_TENSOR_STACK = 16
 
 # The core's bounds (spbcast::limits defaults), checked here first so that the error names the
 # Python path: one string or bytes value, and the nesting of containers and objects.

@@ -8,9 +8,11 @@ import types
 import torch
 
 from .kind_containers import DefaultDict, Map, OrderedDict, Sequence, Set, Size
+from .kind_nested import JaggedNested
 from .kind_numpy import NumpyArray, NumpyScalar
 from .kind_records import NamedTuple, Object, Tuple
 from .kind_scalars import AsIs, Bytes, Enumeration, Integer, String, Tensor
+from .kind_tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictOther
 from .kind_traits import Kind
 
 _CODE_TYPES = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
@@ -45,8 +47,9 @@ class Unsupported(Kind):
 # Kinds found by type first, then - for a class no type names - the class kinds in priority
 # order: the first that claims a class is its kind, and Object claims whatever is left.
 KINDS = (AsIs(), Integer(), String(), Bytes(), Tensor(), Sequence(), Tuple(), Map(), Set(), Size(),
-         OrderedDict(), DefaultDict(), Unsupported(), NumpyArray(), NumpyScalar(), Enumeration(),
-         NamedTuple(), Object())
+         OrderedDict(), DefaultDict(), JaggedNested(), Unsupported(), NumpyArray(), NumpyScalar(),
+         TensorDict(), NonTensorData(), NonTensorStack(), TensorDictOther(), Enumeration(), NamedTuple(),
+         Object())
 
 BY_TYPE = {t: kind for kind in KINDS for t in kind.types}
 AS_IS = frozenset(t for kind in KINDS if kind.as_is for t in kind.types)
