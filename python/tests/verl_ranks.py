@@ -9,9 +9,9 @@ no_padding``, its ``StatefulDataLoader`` over a ``DistributedSampler``, its ``fi
 the dedup arms. Each rank records what it saw.
 
 Stood in for: verl's model engine alone (``SFTTrainer._build_engine``: its ``TrainingWorker``
-and FSDP engine). verl 0.9.1's FSDP engine runs Ulysses attention through its flash-attention
-and NCCL-only paths (all-to-all over the sp group, which Gloo does not provide), so it cannot
-train on these CPU ranks. The stand-in builds the engine's real (dp, sp) Gloo device mesh with
+and FSDP engine). verl 0.9.1 has no CPU platform: with no accelerator it falls back to
+CUDA's, where its FSDP engine places the model, so the engine cannot train on these CPU ranks.
+The stand-in builds the engine's real (dp, sp) Gloo device mesh with
 ``init_device_mesh`` exactly as ``FSDPEngine._init_device_mesh`` does, answers the engine's data
 questions (dp rank and size, dp group, SP rank 0 as ``is_mp_src_rank_with_outputs``) as
 ``FSDPEngine`` does, records each batch ``fit()`` hands to ``train_batch`` (the TensorDict verl
