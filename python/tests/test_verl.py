@@ -20,9 +20,14 @@ import pytest
 
 pytest.importorskip("verl", reason="verl is not installed (its environment: scripts/envs/verl.txt; "
                     "scripts/test.sh runs this test there)")
+import importlib.util  # noqa: E402
+
 import torch  # noqa: E402
 
 from batches import assert_same  # noqa: E402
+
+# verl's image fetch (not imported here: it needs torchvision, verl_ranks.py)
+MULTIMODAL = importlib.util.find_spec("qwen_vl_utils") is not None
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +38,9 @@ def runs(tmp_path_factory):
     A = vr.Arm
     continuous = [
         A("base", False), A("base_w0", False, workers=0), A("base_right", False, pad_mode="right"),
+        *([A("base_vl", False, steps=3, multimodal=True)] if MULTIMODAL else []),
         A("dedup", True), A("dedup_w0", True, workers=0), A("dedup_right", True, pad_mode="right"),
+        *([A("dedup_vl", True, steps=3, multimodal=True)] if MULTIMODAL else []),
         A("sp1", True, sp=1, expect_error=True), A("megatron", True, engine="megatron", expect_error=True),
         A("unknown_option", True, options={"prefetch_depth": 1}, expect_error=True)]
     resumed = [  # new processes; "a@b": a resumed from b's checkpoint after step 3 of 6
@@ -94,6 +101,30 @@ def test_no_padding_batches_are_jagged(runs):
     assert "jagged" in batch[2]["input_ids"][1]
 
 
+@pytest.mark.skipif(not MULTIMODAL, reason="qwen-vl-utils is not installed (verl's image fetch; "
+                    "scripts/envs/verl.txt pins it)")
+def test_multimodal_batches_equal_base(runs):
+    """Image samples through verl's processor path (a Qwen2-VL processor: its image processor,
+    qwen_vl_utils' fetch, the mrope position ids) with 2 workers: every rank's batches, generators
+    and loader state are BASE's, bit for bit - the nested tensors' values, offsets and ragged
+    dimension (position_ids: 4 x seq per sample, ragged in dimension 2), and pixel_values and
+    image_grid_thw in the multi_modal_inputs stack; only the leaders read (decode) samples."""
+    _, records = runs
+    base, dedup = records["base_vl"], records["dedup_vl"]
+    for rank, (b, d) in enumerate(zip(base, dedup)):
+        same_steps(b, d, f"dedup_vl, rank {rank}")
+    only_leaders_read("dedup_vl", dedup)
+    batch = dedup[1]["steps"][0]["batch"][2]  # a follower's TensorDict, as it received it
+    kind, layout, _, ragged_idx, values, offsets = batch["position_ids"]
+    assert (kind, layout, ragged_idx, values[2][0]) == ("nested", "torch.jagged", 2, 4), batch["position_ids"]
+    assert offsets[2] == (4,), "3 samples a batch"
+    stack = batch["multi_modal_inputs"]
+    assert stack[0] == "stack" and len(stack[1]) == 3
+    for sample in stack[1]:
+        assert sample["pixel_values"][1] == "torch.float32" and sample["pixel_values"][2][0] > 0
+        assert sample["image_grid_thw"][1] == "torch.int64" and sample["image_grid_thw"][2][1] == 3
+
+
 def test_prefetch_where_exact(runs):
     """The leader fetches ahead with DataLoader workers (verl's DistributedSampler draws from its
     own generator), not with num_workers=0 (the dataset runs on the trainer's process)."""
@@ -139,11 +170,9 @@ def test_resume_across_the_switch(runs):
     ("unknown_option", "'prefetch_depth'"),
 ])
 def test_refusals_are_clear_on_every_rank(runs, arm, says):
-    _, records = runs
-    for rank, record in enumerate(records[arm]):
-        assert record["error"] is not None, f"{arm}: rank {rank} raised nothing"
-        assert f"spbcast: rank {rank} (spbcast.verl): " in record["error"], record["error"]
-        assert says in record["error"], record["error"]
+    from dist_harness import assert_refused_on_every_rank
+
+    assert_refused_on_every_rank(runs[1][arm], "spbcast.verl", says)
 
 
 def test_import_spbcast_does_not_import_verl():

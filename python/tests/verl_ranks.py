@@ -22,8 +22,11 @@ the data - dataset, collator, loader, sampler epochs, ``fit()``, the checkpoint 
 ``data_<dp>.pt`` and its resume - is verl's.
 
 The model is a tiny Qwen2 written to a directory from a config (random weights, a word-level
-tokenizer with a chat template); with ``multimodal``, a tiny Qwen2-VL and its processor (image
-samples as PNG files). Nothing is downloaded.
+tokenizer with a chat template); with ``multimodal``, a tiny Qwen2-VL with its tokenizer and
+Qwen2-VL's image processor in its directory (tiny_qwen.py), which verl's ``hf_processor`` loads,
+and conversations with an image (a PNG file) in each user turn, which verl's dataset fetches
+(qwen_vl_utils) and processes. tiny_qwen.py's two shims stand in, the same in BASE and dedup, for
+torchvision, which this environment lacks. Nothing is downloaded.
 """
 
 import hashlib
@@ -40,15 +43,21 @@ import torch.distributed as dist  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 from tensordict.tensorclass import NonTensorData, NonTensorStack  # noqa: E402
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 import verl.trainer.sft_trainer as sft_trainer  # noqa: E402
 import verl.utils.dataset.multiturn_sft_dataset as multiturn  # noqa: E402
 
 import dist_harness  # noqa: E402
 import spbcast.verl  # noqa: E402
+import tiny_qwen  # noqa: E402
+
+# What this environment lacks for verl's image path (tiny_qwen.py), the same in BASE and dedup:
+# torchvision, which qwen_vl_utils (verl's image fetch) imports; and, for verl's hf_processor,
+# AutoProcessor of the Qwen2-VL directory (its video processor asks for torchvision).
+tiny_qwen.bare_torchvision()
+tiny_qwen.images_only_auto_processor()
 
 WORLD, SP = 4, 2
 LEADERS, FOLLOWERS = (0, 2), (1, 3)
@@ -61,16 +70,19 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['conte
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
 
 
+# The multimodal model's: Qwen2-VL's special tokens too, after the words (no hole in the ids).
+VL_SPECIAL_TOKENS = {t: len(WORDS) + i for i, t in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+                                                              + tiny_qwen.VISION_TOKENS)}
+# Qwen2-VL's way: an image is its vision tokens, where the message's content list has it.
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|>"
+    "<|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
 def make_tokenizer():
-    vocab = {word: i for i, word in enumerate(WORDS)}
-    vocab.update(SPECIAL_TOKENS)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<|endoftext|>",
-                                        eos_token="<|im_end|>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return tiny_qwen.word_tokenizer(WORDS, SPECIAL_TOKENS, CHAT_TEMPLATE)
 
 
 def write_model(directory):
@@ -83,17 +95,37 @@ def write_model(directory):
     make_tokenizer().save_pretrained(os.path.join(directory, "tokenizer"))
 
 
-def write_dataset(directory, n=SAMPLES, seed=3):
-    """Multi-turn conversations (verl's messages format) of varied lengths, as a parquet file."""
+def write_vl_model(directory):
+    """A tiny Qwen2-VL with its tokenizer and image processor in one directory, which verl's
+    hf_processor reads (AutoProcessor, AutoConfig)."""
+    tiny_qwen.write_qwen2_vl(directory, tiny_qwen.word_tokenizer(WORDS, VL_SPECIAL_TOKENS, VL_CHAT_TEMPLATE),
+                             vocab_size=len(WORDS) + len(VL_SPECIAL_TOKENS))
+    tiny_qwen.image_processor().save_pretrained(directory)
+
+
+def write_dataset(directory, n=SAMPLES, seed=3, images=False):
+    """Multi-turn conversations (verl's messages format) of varied lengths, as a parquet file. With
+    ``images``: an image (a PNG file of varied size) in each user turn, in verl's images column."""
     rng = np.random.RandomState(seed)
 
     def words():
         return " ".join(f"w{j}" for j in rng.randint(0, 64, rng.randint(2, 14)))
 
-    rows = [{"messages": [{"role": "user", "content": words()}, {"role": "assistant", "content": words()}]
-             + ([{"role": "user", "content": words()}, {"role": "assistant", "content": words()}]
-                if i % 3 == 0 else [])} for i in range(n)]
-    path = os.path.join(directory, "train.parquet")
+    def image():
+        if not images:
+            return ""
+        path = tiny_qwen.write_image(os.path.join(directory, f"image{i}-{len(paths)}.png"), rng)
+        paths.append({"image": path})
+        return "<image>"
+
+    rows = []
+    for i in range(n):
+        paths = []
+        turns = 2 if i % 3 == 0 else 1
+        messages = [m for _ in range(turns) for m in ({"role": "user", "content": image() + words()},
+                                                      {"role": "assistant", "content": words()})]
+        rows.append({"messages": messages, **({"images": paths} if images else {})})
+    path = os.path.join(directory, "train_vl.parquet" if images else "train.parquet")
     pd.DataFrame(rows).to_parquet(path)
     return path
 
@@ -219,10 +251,10 @@ class Arm:
     step ``save_freq``). A dedup arm calls ``spbcast.verl.enable(**options)``."""
 
     def __init__(self, name, dedup, workers=2, steps=6, save_freq=3, resume=None, options=None, sp=SP,
-                 engine="fsdp", expect_error=False, pad_mode="no_padding"):
+                 engine="fsdp", expect_error=False, pad_mode="no_padding", multimodal=False):
         self.name, self.dedup, self.workers, self.steps, self.save_freq = name, dedup, workers, steps, save_freq
         self.resume, self.options, self.sp, self.engine = resume, options or {}, sp, engine
-        self.expect_error, self.pad_mode = expect_error, pad_mode
+        self.expect_error, self.pad_mode, self.multimodal = expect_error, pad_mode, multimodal
 
 
 def checkpoint(root, arm, step=3):
@@ -231,10 +263,14 @@ def checkpoint(root, arm, step=3):
 
 def config(arm, root):
     directory = os.path.join(os.path.dirname(sft_trainer.__file__), "config")
+    if arm.multimodal:  # the processor's directory is the model's: verl reads its config there too
+        model = tokenizer = os.path.join(root, "model_vl")
+    else:
+        model, tokenizer = os.path.join(root, "model"), os.path.join(root, "model", "tokenizer")
+    train = os.path.join(root, "data", "train_vl.parquet" if arm.multimodal else "train.parquet")
     overrides = [
-        f"model.path={os.path.join(root, 'model')}", f"model.tokenizer_path={os.path.join(root, 'model', 'tokenizer')}",
-        "model.use_remove_padding=true",
-        f"data.train_files={os.path.join(root, 'data', 'train.parquet')}", "data.val_files=null",
+        f"model.path={model}", f"model.tokenizer_path={tokenizer}", "model.use_remove_padding=true",
+        f"data.train_files={train}", "data.val_files=null",
         f"data.train_batch_size={3 * WORLD // arm.sp}", "data.micro_batch_size_per_gpu=3",
         f"data.num_workers={arm.workers}", f"data.pad_mode={arm.pad_mode}", "data.max_length=256",
         f"engine={arm.engine}", "trainer.logger=[console]", f"trainer.total_training_steps={arm.steps}",
@@ -276,29 +312,19 @@ def _run_arm(arm, rank, root):
     return record
 
 
-def _rank(rank, world, root, tag, arms):
-    records = {}
-    for arm in arms:
-        records[arm.name] = _run_arm(arm, rank, root)
-        dist.barrier()
-    torch.save(records, os.path.join(root, f"records-{tag}-rank{rank}.pt"))
-
-
-def prepare(root):
-    """The model and the dataset, once per job root."""
+def prepare(root, arms):
+    """The models and the datasets the arms need, once per job root."""
+    os.makedirs(os.path.join(root, "data"), exist_ok=True)
     if not os.path.exists(os.path.join(root, "model", "config.json")):
-        os.makedirs(os.path.join(root, "data"), exist_ok=True)
         write_model(os.path.join(root, "model"))
         write_dataset(os.path.join(root, "data"))
+    if any(arm.multimodal for arm in arms) and not os.path.exists(os.path.join(root, "model_vl", "config.json")):
+        write_vl_model(os.path.join(root, "model_vl"))
+        write_dataset(os.path.join(root, "data"), images=True)
 
 
 def run_arms(root, tag, arms, timeout=170):
-    """Forks one job of WORLD ranks whose ranks run ``arms`` in turn (BASE arms before dedup arms:
-    enable() is process-wide); returns {arm name: [record per rank]}."""
-    dedup = [arm.dedup for arm in arms]
-    assert dedup == sorted(dedup), "the BASE arms run before the dedup arms: enable() is process-wide"
-    prepare(root)
-    dist_harness.run(WORLD, _rank, root, tag, arms, timeout=timeout, start_method="fork")
-    per_rank = [torch.load(os.path.join(root, f"records-{tag}-rank{r}.pt"), weights_only=False)
-                for r in range(WORLD)]
-    return {arm.name: [records[arm.name] for records in per_rank] for arm in arms}
+    """Forks one job of WORLD ranks whose ranks run ``arms`` in turn (dist_harness.run_arms);
+    returns {arm name: [record per rank]}."""
+    prepare(root, arms)
+    return dist_harness.run_arms(WORLD, _run_arm, root, tag, arms, timeout=timeout)
