@@ -38,6 +38,7 @@ import tiny_qwen  # noqa: E402
 tiny_qwen.bare_torchvision()  # after transformers and datasets looked for torchvision
 
 import dist_harness  # noqa: E402
+from calls_counted import CallCounter  # noqa: E402
 import spbcast  # noqa: E402
 import spbcast.swift  # noqa: E402
 
@@ -93,29 +94,9 @@ def write_dataset(directory, n=SAMPLES, seed=3, side=None):
     return path
 
 
-# Every encode of a sample, in every process (DataLoader workers included): one line per call
-# in a file per rank, from the time a record starts.
-_ENCODES = {"path": None}
-_GETITEM = swift.dataset.utils.LazyLLMDataset.__getitem__
-
-
-def _counted_getitem(self, idx):
-    if _ENCODES["path"] is not None:
-        with open(_ENCODES["path"], "a") as f:
-            f.write(f"{os.getpid()}\n")
-    return _GETITEM(self, idx)
-
-
-swift.dataset.utils.LazyLLMDataset.__getitem__ = _counted_getitem
-
-
-def encodes(path):
-    """How many samples this rank encoded since the record started: in all, and in its workers."""
-    if not os.path.exists(path):
-        return 0, 0
-    with open(path) as f:
-        pids = f.read().split()
-    return len(pids), sum(pid != str(os.getpid()) for pid in pids)  # all, in other processes
+# Every encode of a sample, in every process of a rank (DataLoader workers included), from the
+# time a record starts.
+ENCODES = CallCounter(swift.dataset.utils.LazyLLMDataset, "__getitem__")
 
 
 class Arm:
@@ -172,14 +153,14 @@ def _loader_record(trainer, record):
         loader.set_epoch(epoch)  # as transformers' _run_epoch
         batches = [_digest(batch) for batch in loader]
         record["epochs"].append({"batches": batches, "rng": torch.get_rng_state(),
-                                 "encodes": encodes(_ENCODES["path"])[0]})
+                                 "encodes": ENCODES.count()[0]})
     # ms-swift's resume path: the Trainer's skip_first_batches, patched by ms-swift to rebuild the
     # loader through get_train_dataloader(skip_batches=n).
     with trainer._patch_skip_first_batches():
         skipped = transformers.trainer.skip_first_batches(loader, 2)
     skipped.set_epoch(1)
     record["skipped"] = {"len": len(skipped), "batches": [_digest(batch) for batch in skipped],
-                         "rng": torch.get_rng_state(), "encodes": encodes(_ENCODES["path"])[0]}
+                         "rng": torch.get_rng_state(), "encodes": ENCODES.count()[0]}
     record["stats"] = spbcast.swift.stats(loader)
 
 
@@ -201,15 +182,12 @@ def _train_record(trainer, record):
 
 def _run_arm(arm, rank, root):
     record = {"error": None}
-    _ENCODES["path"] = None
 
     def train(trainer):
-        _ENCODES["path"] = os.path.join(root, f"encodes-{arm.name}-rank{rank}")
-        if os.path.exists(_ENCODES["path"]):
-            os.remove(_ENCODES["path"])
+        ENCODES.start(os.path.join(root, f"encodes-{arm.name}-rank{rank}"))
         (_loader_record if arm.kind == "loader" else _train_record)(trainer, record)
-        _ENCODES["path"] = None
-        record["encodes"], record["encodes_in_workers"] = encodes(os.path.join(root, f"encodes-{arm.name}-rank{rank}"))
+        ENCODES.stop()
+        record["encodes"], record["encodes_in_workers"] = ENCODES.count()
 
     try:
         if arm.dedup and not arm.plugin:

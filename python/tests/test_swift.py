@@ -60,14 +60,9 @@ def runs(tmp_path_factory):
 
 def only_leaders_encode(arm, records, workers=False):
     import swift_ranks as sr
+    from calls_counted import assert_only_leaders
 
-    for rank in sr.LEADERS:
-        assert records[rank]["encodes"] > 0, f"{arm}: SP leader {rank} encoded no sample"
-        if workers:
-            assert records[rank]["encodes_in_workers"] == records[rank]["encodes"], (
-                f"{arm}: SP leader {rank} encoded in its main process, not in its DataLoader workers")
-    for rank in sr.FOLLOWERS:
-        assert records[rank]["encodes"] == 0, f"{arm}: SP follower {rank} encoded {records[rank]['encodes']} samples"
+    assert_only_leaders(arm, records, sr.LEADERS, sr.FOLLOWERS, "encodes", "encoded", workers)
 
 
 @pytest.mark.parametrize("workers", ["", "_workers"])

@@ -64,14 +64,9 @@ def same_steps(expected, got, where, last=None):
 
 def only_leaders_read(arm, records, workers=True):
     import verl_ranks as vr
+    from calls_counted import assert_only_leaders
 
-    for rank in vr.LEADERS:
-        assert records[rank]["reads"] > 0, f"{arm}: SP leader {rank} read no sample"
-        if workers:
-            assert records[rank]["reads_in_workers"] == records[rank]["reads"], (
-                f"{arm}: SP leader {rank} read in its main process, not in its DataLoader workers")
-    for rank in vr.FOLLOWERS:
-        assert records[rank]["reads"] == 0, f"{arm}: SP follower {rank} read {records[rank]['reads']} samples"
+    assert_only_leaders(arm, records, vr.LEADERS, vr.FOLLOWERS, "reads", "read", workers)
 
 
 @pytest.mark.parametrize("variant", ["", "_w0", "_right"])

@@ -50,6 +50,7 @@ import verl.trainer.sft_trainer as sft_trainer  # noqa: E402
 import verl.utils.dataset.multiturn_sft_dataset as multiturn  # noqa: E402
 
 import dist_harness  # noqa: E402
+from calls_counted import CallCounter  # noqa: E402
 import spbcast.verl  # noqa: E402
 import tiny_qwen  # noqa: E402
 
@@ -131,28 +132,8 @@ def write_dataset(directory, n=SAMPLES, seed=3, images=False):
 
 
 # Every read of a sample (MultiTurnSFTDataset.__getitem__: read, tokenize, with a processor
-# decode), in every process (DataLoader workers included): one line per call in a file per rank.
-_READS = {"path": None}
-_GETITEM = multiturn.MultiTurnSFTDataset.__getitem__
-
-
-def _counted_getitem(self, item):
-    if _READS["path"] is not None:
-        with open(_READS["path"], "a") as f:
-            f.write(f"{os.getpid()}\n")
-    return _GETITEM(self, item)
-
-
-multiturn.MultiTurnSFTDataset.__getitem__ = _counted_getitem
-
-
-def reads(path):
-    """How many samples this rank read since the arm started: in all, and in its workers."""
-    if not os.path.exists(path):
-        return 0, 0
-    with open(path) as f:
-        pids = f.read().split()
-    return len(pids), sum(pid != str(os.getpid()) for pid in pids)
+# decode), in every process of a rank (DataLoader workers included).
+READS = CallCounter(multiturn.MultiTurnSFTDataset, "__getitem__")
 
 
 def digest(value):
@@ -287,10 +268,7 @@ def config(arm, root):
 
 def _run_arm(arm, rank, root):
     record = {"error": None}
-    path = os.path.join(root, f"reads-{arm.name}-rank{rank}")
-    if os.path.exists(path):
-        os.remove(path)
-    _READS["path"] = path
+    READS.start(os.path.join(root, f"reads-{arm.name}-rank{rank}"))
     torch.manual_seed(1234)  # every arm from the same generator, every rank alike
     try:
         if arm.dedup:
@@ -307,8 +285,8 @@ def _run_arm(arm, rank, root):
         if not arm.expect_error:
             raise
         record["error"] = f"{type(e).__name__}: {e}"
-    _READS["path"] = None
-    record["reads"], record["reads_in_workers"] = reads(path)
+    READS.stop()
+    record["reads"], record["reads_in_workers"] = READS.count()
     return record
 
 
