@@ -103,12 +103,17 @@ def test_multimodal_batches_equal_base(runs):
     qwen_vl_utils' fetch, the mrope position ids) with 2 workers: every rank's batches, generators
     and loader state are BASE's, bit for bit - the nested tensors' values, offsets and ragged
     dimension (position_ids: 4 x seq per sample, ragged in dimension 2), and pixel_values and
-    image_grid_thw in the multi_modal_inputs stack; only the leaders read (decode) samples."""
-    _, records = runs
+    image_grid_thw in the multi_modal_inputs stack; the checkpoint's data_<dp>.pt; only the leaders
+    read (decode) samples."""
+    root, records = runs
     base, dedup = records["base_vl"], records["dedup_vl"]
     for rank, (b, d) in enumerate(zip(base, dedup)):
         same_steps(b, d, f"dedup_vl, rank {rank}")
     only_leaders_read("dedup_vl", dedup)
+    for dp in (0, 1):  # the checkpoint after step 3
+        name = os.path.join("global_step_3", f"data_{dp}.pt")
+        assert_same(torch.load(os.path.join(root, "base_vl", name), weights_only=False),
+                    torch.load(os.path.join(root, "dedup_vl", name), weights_only=False), f"vl: {name}")
     batch = dedup[1]["steps"][0]["batch"][2]  # a follower's TensorDict, as it received it
     kind, layout, _, ragged_idx, values, offsets = batch["position_ids"]
     assert (kind, layout, ragged_idx, values[2][0]) == ("nested", "torch.jagged", 2, 4), batch["position_ids"]
