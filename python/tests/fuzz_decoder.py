@@ -32,7 +32,8 @@ import batches  # noqa: E402 - allows its classes, as every rank of a program wo
 W = _wire
 _TAGS = [W.TAG_TUPLE, W.TAG_BYTES, W.TAG_OBJECT, W.TAG_SET, W.TAG_FROZENSET, W.TAG_ENUM,
          W.TAG_NAMEDTUPLE, W.TAG_SIZE, W.TAG_ORDERED_DICT, W.TAG_DEFAULTDICT, W.TAG_NUMPY_ARRAY,
-         W.TAG_NUMPY_SCALAR, W.TAG_SURROGATE_STR, W.KIND_VALUE, W.KIND_ERROR, W.WIRE_VERSION, 13, -1]
+         W.TAG_NUMPY_SCALAR, W.TAG_SURROGATE_STR, W.TAG_JAGGED, W.TAG_TENSORDICT, W.TAG_NON_TENSOR_DATA,
+         W.TAG_NON_TENSOR_STACK, W.KIND_VALUE, W.KIND_ERROR, W.WIRE_VERSION, 17, -1]
 
 
 def corpus():
@@ -46,6 +47,7 @@ def corpus():
         values.append(batches.new_kinds(4))
     except ImportError:  # numpy absent: its kinds are not sent
         pass
+    values.append(nested_values())
     envelopes = [W.encode(v, 0) for v in values]
     # LeaderLoader's step envelopes: a batch, a refused batch, the end of a pass.
     for step, batch in enumerate(values[:2]):
@@ -57,6 +59,27 @@ def corpus():
                                "batch": None}, 0))
     envelopes.append(W.error_envelope(spbcast.Error("spbcast: rank 0: cannot send batch", "loader")))
     return envelopes
+
+
+def nested_values():
+    """Jagged nested tensors (lengths, a second ragged dimension, int32 offsets, cached sequence
+    lengths) and, where tensordict is installed, a TensorDict of them with non-tensor data."""
+    jagged = torch.nested.nested_tensor_from_jagged
+    offsets = torch.tensor([0, 2, 5])
+    value = {"plain": jagged(torch.arange(10.0).reshape(5, 2), offsets, max_seqlen=3),
+             "narrow": torch.nested.narrow(torch.zeros(2, 4), 1, torch.tensor([0, 1]), torch.tensor([2, 3]),
+                                           layout=torch.jagged),
+             "ragged_2": jagged(torch.zeros(3, 5, 2), offsets, jagged_dim=2),
+             "int32": jagged(torch.ones(4), torch.tensor([0, 4], dtype=torch.int32), min_seqlen=4)}
+    try:
+        import tensordict as td
+    except ImportError:  # tensordict absent: its kinds are not sent
+        return value
+    value["td"] = td.TensorDict({"ids": jagged(torch.arange(5), offsets), "mask": torch.ones(2, 3),
+                                 "sub": td.TensorDict({"x": torch.zeros(2)}, batch_size=[2], names=["b"]),
+                                 "meta": td.NonTensorData({"n": 1}),
+                                 "uids": td.NonTensorStack.from_list(["a", "b"])}, batch_size=[2])
+    return value
 
 
 CORPUS = corpus()
@@ -110,6 +133,10 @@ _DTYPES = st.sampled_from(["<i3", "<M8[abc]", "|S0", "|V0", "<U0", "|O8", "<f8",
 _TENSORS = st.builds(lambda n, dt: torch.zeros(n, dtype=dt),
                      st.one_of(st.sampled_from([0, 1, 3, 8, 16]), st.integers(0, 64)),
                      st.sampled_from([torch.uint8, torch.uint8, torch.float32, torch.int64]))
+# Offsets and lengths: small, sorted or not, of an index dtype or not.
+_OFFSETS = st.builds(lambda xs, dt: torch.tensor(xs).to(dt),  # int32: wrapped, as sent
+                     st.lists(st.sampled_from([0, 1, 2, 3, 5, 8, -1, 2**40, 2**62]), max_size=5),
+                     st.sampled_from([torch.int64, torch.int64, torch.int32, torch.float32]))
 _SHAPES = st.lists(st.sampled_from([0, 1, 2, 3, 8, 2**31, 2**40, 2**62, -1]), max_size=3)
 
 
@@ -128,6 +155,15 @@ def leaf():
                                    "_TemporaryFileWrapper", "Missing", ""]),
                   st.one_of(st.dictionaries(_TEXT, _INTS, max_size=2), _TEXT, st.none(),
                             st.lists(_INTS, max_size=2))),
+        st.tuples(st.just(W.TAG_JAGGED), tensors, st.one_of(tensors, _OFFSETS), st.one_of(st.none(), _OFFSETS),
+                  _INTS, st.one_of(st.none(), _INTS), st.one_of(st.none(), _INTS), st.booleans()),
+        st.tuples(st.just(W.TAG_TENSORDICT), st.dictionaries(_TEXT, tensors, max_size=2), shapes,
+                  st.sampled_from([None, "cpu", "cuda", "meta"]), st.one_of(st.none(), st.lists(_TEXT, max_size=2)),
+                  st.booleans()),
+        st.tuples(st.just(W.TAG_NON_TENSOR_DATA), _INTS, shapes, st.sampled_from([None, "cpu"])),
+        st.tuples(st.just(W.TAG_NON_TENSOR_STACK),
+                  st.lists(st.tuples(st.just(W.TAG_NON_TENSOR_DATA), _INTS, shapes, st.none()), max_size=2),
+                  _INTS, shapes),
         st.tuples(st.just(W.TAG_DEFAULTDICT), st.one_of(st.none(), _TEXT, st.just(["batches", "Plain"])),
                   st.just({})),
     )

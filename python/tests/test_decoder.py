@@ -133,6 +133,89 @@ def test_nesting_within_the_limits_decodes_and_beyond_is_refused():
                  f"nested deeper than {W.MAX_DEPTH} levels")
 
 
+# ---- jagged nested tensors and tensordict values ---------------------------------------------
+
+def _jagged(values=None, offsets=None, lengths=None, ragged_idx=1, min_seqlen=None, max_seqlen=None,
+            requires_grad=False):
+    values = torch.zeros(5, 2) if values is None else values
+    offsets = torch.tensor([0, 2, 5]) if offsets is None else offsets
+    return (W.TAG_JAGGED, values, offsets, lengths, ragged_idx, min_seqlen, max_seqlen, requires_grad)
+
+
+def test_a_well_formed_jagged_tensor_decodes():
+    nt = _decode(_envelope(_jagged(lengths=torch.tensor([1, 3]), max_seqlen=3)))
+    assert nt.layout == torch.jagged and nt._ragged_idx == 1 and nt._max_seqlen == 3
+    assert nt.lengths().tolist() == [1, 3] and nt.offsets().tolist() == [0, 2, 5]
+
+
+@pytest.mark.parametrize("tree, words", [
+    (_jagged(ragged_idx=0), "ragged dimension 0 is not one of its values' 2 dimensions"),
+    (_jagged(ragged_idx=3), "ragged dimension 3 is not one of its values' 2 dimensions"),
+    (_jagged(ragged_idx=-1), "ragged dimension -1"),
+    (_jagged(values=torch.tensor(1.0)), "ragged dimension 1 is not one of its values' 0 dimensions"),
+    (_jagged(offsets=torch.tensor([0.0, 5.0])), "offsets are not a 1-d int64 or int32 tensor (torch.float32"),
+    (_jagged(offsets=torch.tensor([0, 5], dtype=torch.int16)), "offsets are not a 1-d int64 or int32"),
+    (_jagged(offsets=torch.tensor([[0, 5]])), "offsets are not a 1-d int64 or int32 tensor (torch.int64, 2-d)"),
+    (_jagged(offsets=torch.tensor([], dtype=torch.int64)), "with no offsets"),
+    (_jagged(offsets=torch.tensor([0, 4, 2, 5])), "offsets are not non-decreasing within its 5 values"),
+    (_jagged(offsets=torch.tensor([-1, 5])), "offsets are not non-decreasing"),
+    (_jagged(offsets=torch.tensor([0, 2, 9])), "offsets are not non-decreasing within its 5 values"),
+    (_jagged(offsets=torch.tensor([0, 2, 4])), "offsets run from 0 to 4, not over its 5 values"),
+    (_jagged(offsets=torch.tensor([1, 5])), "offsets run from 1 to 5"),
+    (_jagged(offsets=torch.tensor([0, 2 ** 62])), "offsets are not non-decreasing within its 5 values"),
+    (_jagged(lengths=torch.tensor([2, 4])), "lengths reach beyond its 5 values"),
+    (_jagged(lengths=torch.tensor([2, 2 ** 62])), "lengths reach beyond its 5 values"),
+    (_jagged(lengths=torch.tensor([2, -1])), "lengths reach beyond"),
+    (_jagged(lengths=torch.tensor([1, 1, 1])), "with 3 lengths and 3 offsets"),
+    (_jagged(lengths=torch.tensor([1.0, 1.0])), "lengths are not a 1-d int64 or int32 tensor"),
+    (_jagged(values=torch.zeros(2, 5), ragged_idx=2, offsets=torch.tensor([0, 6])), "within its 5 values"),
+    (_jagged(min_seqlen=-1), "a cached min_seqlen of -1"),
+    (_jagged(values=torch.zeros(5, 2, dtype=torch.int64), requires_grad=True), "that torch does not build"),
+    (_jagged()[:7], "a malformed jagged nested tensor"),
+    (_jagged(requires_grad=1), "a malformed jagged nested tensor"),
+    (_jagged(values=[1, 2]), "a malformed jagged nested tensor"),
+    (_jagged(min_seqlen=1.5), "a malformed jagged nested tensor"),
+])
+def test_malformed_jagged_tensors(tree, words):
+    _refused(_envelope({"nt": tree}), 'cannot rebuild batch["nt"]: the root sent a', words,
+             code="corrupt_frame")
+
+
+def _td(entries, batch, device=None, names=None, locked=False):
+    return (W.TAG_TENSORDICT, entries, batch, device, names, locked)
+
+
+def test_malformed_tensordicts():
+    pytest.importorskip("tensordict", reason="the tensordict cases need tensordict")
+    ntd = (W.TAG_NON_TENSOR_DATA, "x", [], None)
+    for tree, words in [
+        (_td({"x": torch.zeros(3)}, [2]), "a TensorDict of batch_size [2] whose entry 'x' is of shape [3]"),
+        (_td({"x": torch.zeros(2)}, [2, 1]), "whose entry 'x' is of shape [2]"),
+        (_td({"n": _jagged()}, [2, 3]), "whose entry 'n' is of shape [2, "),
+        (_td({"s": _td({}, [3])}, [2]), "whose entry 's' is of shape [3]"),
+        (_td({"m": (W.TAG_NON_TENSOR_DATA, "x", [3], None)}, [2]), "whose entry 'm' is of shape [3]"),
+        (_td({}, [-1]), "a malformed tensordict batch_size"),
+        (_td({}, [1] * 65), "a malformed tensordict batch_size"),
+        (_td({}, [2], names=["a", "b"]), "names do not match its batch_size"),
+        (_td({}, [2], names=[3]), "names do not match its batch_size"),
+        (_td({}, [2], device="cuda"), "on the device 'cuda'"),
+        (_td({"x": 3}, []), "a TensorDict entry 'x' of the class int"),
+        (_td({"x": [torch.zeros(1)]}, []), "a TensorDict entry 'x' of the class list"),
+        (_td({1: torch.zeros(1)}, []), "a malformed TensorDict"),
+        (_td({}, [])[:5], "a malformed TensorDict"),
+        ((W.TAG_NON_TENSOR_DATA, "x", [2]), "a malformed NonTensorData"),
+        ((W.TAG_NON_TENSOR_DATA, "x", "2", None), "a malformed tensordict batch_size"),
+        ((W.TAG_NON_TENSOR_STACK, [ntd, ntd], 1, [2]), "stack_dim 1 is not one of its 1 dimensions"),
+        ((W.TAG_NON_TENSOR_STACK, [ntd, torch.zeros(1)], 0, [2]), "holding something other than"),
+        ((W.TAG_NON_TENSOR_STACK, [ntd, ntd], 0, [3]), "a NonTensorStack that this rank's tensordict rebuilds differently"),
+        ((W.TAG_NON_TENSOR_STACK, [ntd, (W.TAG_NON_TENSOR_DATA, "y", [2], None)], 0, [2]), "that tensordict does not build"),
+    ]:
+        _refused(_envelope({"td": tree}), 'cannot rebuild batch["td"]', words, code="corrupt_frame")
+    # A value inside is refused with its path, as anywhere.
+    _refused(_envelope({"td": _td({"m": (W.TAG_NON_TENSOR_DATA, (W.TAG_OBJECT, "os", "PathLike", {}), [], None)}, [])}),
+             'cannot rebuild batch["td"]["m"].data: the root sent an instance of os.PathLike', code="schema_mismatch")
+
+
 def test_the_fuzz_target_runs():
     # A few examples of python/tests/fuzz_decoder.py, so that the target stays runnable; the
     # bounded runs are scripts/fuzz_python.sh's.

@@ -6,6 +6,8 @@ paths; what is refused, with what to send instead; and LeaderLoader over a DataL
 workers collate jagged nested tensors, equal to BASE."""
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -160,12 +162,37 @@ def _tensordicts(rank, world):
         if rank != src:
             assert_same(expected, got)
             assert got["batch"]["input_ids"].offsets() is got["batch"]["position_ids"].offsets()
-            assert got["batch"]["uids"] == ["a", "b"] and got["batch"]["grid"].tolist() == [[1, 3], [2, 4]]
+            assert got["batch"]["uids"] == ["a", "b"] and dict(got["batch"].items())["grid"].tolist() == [[1, 3], [2, 4]]
 
 
 def test_tensordicts_round_trip():
     pytest.importorskip("tensordict", reason="the tensordict cases need tensordict")
     run(2, _tensordicts, timeout=150)
+
+
+def test_tensordict_stays_optional():
+    # Without tensordict: spbcast imports and sends jagged nested tensors, and a tensordict value
+    # from a root is a SchemaError naming the path on that follower.
+    code = """
+import sys
+sys.modules["tensordict"] = None  # import tensordict raises ImportError
+import torch
+import spbcast
+from spbcast import _C, _wire as w
+nt = torch.nested.nested_tensor_from_jagged(torch.arange(5.0), torch.tensor([0, 2, 5]))
+got = w.decode(_C.through_wire(w.encode({"nt": nt}, 0)), 1, 0)["nt"]
+assert torch.equal(got.values(), nt.values()) and got.offsets().tolist() == [0, 2, 5]
+env = (w.MAGIC, w.WIRE_VERSION, w.KIND_VALUE, {"td": (w.TAG_NON_TENSOR_DATA, 1, [], None)})
+try:
+    w.decode(env, 1, 0)
+except spbcast.SchemaError as e:
+    print(e)
+assert "tensordict" not in sys.modules or sys.modules["tensordict"] is None
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert ('cannot rebuild batch["td"]: the root sent a tensordict value and tensordict is not '
+            "installed on this rank") in out.stdout, out.stdout + out.stderr
 
 
 def test_tensordict_refusals_on_the_root():
