@@ -467,6 +467,26 @@ def trainer_run(name, trainer, version, args, cfg, write_data, run_arm, arms, sp
     return 0 if all(r["sp_batches_equal"] for r in result["rows"]) else 1
 
 
+def trainer_markdown(result, trainer, setup, wait_column, batch_column=False):
+    """A trainer bench's table: ``trainer`` (its name and version, for the machine line), ``setup``
+    (the ranks and their samples, up to the step), ``wait_column`` (what the followers' wait is),
+    with the batch's size where ``batch_column``."""
+    cfg = result["config"]
+    batch = ["batch (MiB)"] if batch_column else []
+    headers = ["arm", "path", "prefetch", *batch, "median step (s)", "x BASE", wait_column]
+    lines = [f"Command: `{result['command']}`", "", machine_line(result, f"{trainer}, "), "",
+             f"{setup}; a {cfg['step_seconds']} s step then all-reduces; {cfg['rounds']} rounds x {cfg['steps']} "
+             f"measured steps per arm ({cfg['warmup']} warm-up steps a round). " + USAGE_NOTE, "",
+             "| " + " | ".join(headers) + " " + USAGE_HEADER + "| SP batches equal |",
+             "|---" * (len(headers) + 6) + "|"]
+    for row in result["rows"]:
+        cells = [row["arm"], row["path"], row["prefetch"] or "-", *([f"{row['batch_mib']:.1f}"] if batch_column else []),
+                 f"{row['median_step_s']:.3f}", f"{row['x_base']:.3f}", f"{row['follower_next_ms_mean']:.1f}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " " + usage_cells(row)
+                     + f"| {'yes' if row['sp_batches_equal'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
 def trainer_rank(rank, world, init_file, out_dir, round_, tests, run_arm, arm, cfg, data):
     """A spawned rank of a trainer's bench: the environment torchrun gives it, the Gloo group; writes
     the record of ``run_arm(arm, cfg, data, rank)`` to out_dir/rank<N>.json. ``tests``:

@@ -34,8 +34,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from step_overhead import (USAGE_HEADER, USAGE_NOTE, MiB, add_trainer_options, checksum, machine_line, trainer_config,
-                           trainer_run, trainer_step, usage_cells)
+from step_overhead import (MiB, add_trainer_options, checksum, trainer_config, trainer_markdown, trainer_run,
+                           trainer_step)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(HERE, "..", "python", "tests")
@@ -83,22 +83,11 @@ def run_arm(arm, cfg, data, rank):
 
 def markdown(result):
     cfg = result["config"]
-    lines = [f"Command: `{result['command']}`", "",
-             machine_line(result, f"ms-swift {result['swift']}, "), "",
-             f"4 ranks, SP2 x DP2; batches of {cfg['batch_size']} samples, each a {cfg['image']} x "
-             f"{cfg['image']} PNG image and text that ms-swift's Qwen2-VL template encodes in "
-             f"{cfg['workers']} DataLoader workers per rank; a {cfg['step_seconds']} s step then all-reduces; "
-             f"{cfg['rounds']} rounds x {cfg['steps']} measured steps per arm ({cfg['warmup']} warm-up steps "
-             "a round). " + USAGE_NOTE, "",
-             "| arm | path | prefetch | batch (MiB) | median step (s) | x BASE | followers: next() mean (ms) "
-             + USAGE_HEADER + "| SP batches equal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in result["rows"]:
-        lines.append(
-            f"| {row['arm']} | {row['path']} | {row['prefetch'] or '-'} | {row['batch_mib']:.1f} "
-            f"| {row['median_step_s']:.3f} | {row['x_base']:.3f} | {row['follower_next_ms_mean']:.1f} "
-            + usage_cells(row) + f"| {'yes' if row['sp_batches_equal'] else 'NO'} |")
-    return "\n".join(lines) + "\n"
+    return trainer_markdown(
+        result, f"ms-swift {result['swift']}",
+        f"4 ranks, SP2 x DP2; batches of {cfg['batch_size']} samples, each a {cfg['image']} x {cfg['image']} "
+        f"PNG image and text that ms-swift's Qwen2-VL template encodes in {cfg['workers']} DataLoader workers "
+        "per rank", "followers: next() mean (ms)", batch_column=True)
 
 
 def main():

@@ -31,8 +31,7 @@ import time
 
 import torch.distributed as dist
 
-from step_overhead import (USAGE_HEADER, USAGE_NOTE, add_trainer_options, machine_line, trainer_config, trainer_run,
-                           trainer_step, usage_cells)
+from step_overhead import add_trainer_options, trainer_config, trainer_markdown, trainer_run, trainer_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(HERE, "..", "python", "tests")
@@ -76,22 +75,12 @@ def run_arm(arm, cfg, data, rank):
 
 def markdown(result):
     cfg = result["config"]
-    lines = [f"Command: `{result['command']}`", "",
-             machine_line(result, f"verl {result['verl']}, "), "",
-             f"4 ranks, dp 2 x sp 2; batches of {cfg['batch_size']} multi-turn conversations per dp rank "
-             f"({cfg['turns']} turns of {cfg['words']} words) that verl's MultiTurnSFTDataset tokenizes in "
-             f"{cfg['workers']} DataLoader workers per rank, collated to jagged nested tensors; a "
-             f"{cfg['step_seconds']} s step then all-reduces; {cfg['rounds']} rounds x {cfg['steps']} measured "
-             f"steps per arm ({cfg['warmup']} warm-up steps a round). " + USAGE_NOTE, "",
-             "| arm | path | prefetch | median step (s) | x BASE | followers: between steps, mean (ms) "
-             + USAGE_HEADER + "| SP batches equal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in result["rows"]:
-        lines.append(
-            f"| {row['arm']} | {row['path']} | {row['prefetch'] or '-'} | {row['median_step_s']:.3f} "
-            f"| {row['x_base']:.3f} | {row['follower_next_ms_mean']:.1f} "
-            + usage_cells(row) + f"| {'yes' if row['sp_batches_equal'] else 'NO'} |")
-    return "\n".join(lines) + "\n"
+    return trainer_markdown(
+        result, f"verl {result['verl']}",
+        f"4 ranks, dp 2 x sp 2; batches of {cfg['batch_size']} multi-turn conversations per dp rank "
+        f"({cfg['turns']} turns of {cfg['words']} words) that verl's MultiTurnSFTDataset tokenizes in "
+        f"{cfg['workers']} DataLoader workers per rank, collated to jagged nested tensors",
+        "followers: between steps, mean (ms)")
 
 
 def write_dataset(directory, n, turns, words, seed=3):
