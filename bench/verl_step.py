@@ -17,8 +17,8 @@ Per arm: the step time (the slowest rank's; the median over the measured steps, 
 leader, follower - the host memory of a rank (Pss_Anon + Pss_Shmem of its process and its
 DataLoader workers, at the end of the measured steps) and its CPU time per step.
 
-  ~/.cache/spbcast/venv-verl/bin/python bench/verl_step.py            # ~2 min here
-  ~/.cache/spbcast/venv-verl/bin/python bench/verl_step.py --quick    # ~1 min
+  ~/.cache/spbcast/venv-verl/bin/python bench/verl_step.py            # ~6 min here
+  ~/.cache/spbcast/venv-verl/bin/python bench/verl_step.py --quick    # ~3 min
 Prints the markdown table; writes it and the JSON of every rank's steps to --out
 (bench/results/verl_step/; the JSON is git-ignored).
 """
