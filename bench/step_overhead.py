@@ -39,6 +39,7 @@ import argparse
 import ctypes
 import datetime
 import json
+import multiprocessing
 import os
 import platform
 import shutil
@@ -417,6 +418,147 @@ def usage_by_role(mine, leaders, followers, rounds):
 def usage_cells(row):
     return (f"| {row['leader_mib']:.0f} | {row['follower_mib']:.0f} | {row['all_ranks_mib']:.0f} "
             f"| {row['leader_cpu_s']:.3f} | {row['follower_cpu_s']:.3f} ")
+
+
+# ---- a trainer's own loop (swift_step.py, verl_step.py) -----------------------------------------
+
+def add_trainer_options(parser, name):
+    """A trainer bench's options (swift_step.py, verl_step.py) besides --quick and its samples':
+    the loader's workers, the step, how many steps and rounds, the timeout, the output folder."""
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank (default 2)")
+    parser.add_argument("--step-seconds", type=float, help="the step's sleep (default 0.5; quick 0.2)")
+    parser.add_argument("--steps", type=int, help="measured steps per arm and round (default 12; quick 4)")
+    parser.add_argument("--warmup", type=int, help="warm-up steps per arm and round (default 3; quick 2)")
+    parser.add_argument("--rounds", type=int, help="rounds, each running both arms (default 2; quick 1)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per arm before giving up")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name),
+                        help=f"directory for the JSON and markdown (default bench/results/{name})")
+
+
+def trainer_config(args):
+    """The loop's configuration from add_trainer_options' options and --quick."""
+    q = args.quick
+    return {"workers": args.workers,
+            "step_seconds": args.step_seconds if args.step_seconds is not None else (0.2 if q else 0.5),
+            "steps": args.steps or (4 if q else 12), "warmup": args.warmup or (2 if q else 3),
+            "rounds": args.rounds or (1 if q else 2)}
+
+
+def trainer_run(name, trainer, version, args, cfg, write_data, run_arm, arms, sp, markdown, more=lambda mine: {}):
+    """A trainer bench's run: ``write_data(folder, steps)`` writes the model and one pass of the
+    loader's samples (the steps and 2 more: the leader's workers are still there, and counted, when
+    the last measured step ends) to a fresh folder; the arms, round after round (trainer_rounds);
+    their rows (trainer_rows, ``more``) and ``markdown(result)`` written to args.out. Returns the
+    exit status: 1 where an SP group's batches differed."""
+    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "tests")
+    os.makedirs(args.out, exist_ok=True)
+    started = time.monotonic()
+    result = {"command": " ".join([f"bench/{name}.py"] + sys.argv[1:]), "machine": machine(),
+              trainer: version, "date": datetime.date.today().isoformat(),
+              "load_before": loadavg(), "config": cfg, "records": []}
+    print(f"{name}: {result['machine']}, load {result['load_before']}, {cfg}", flush=True)
+    with tempfile.TemporaryDirectory(prefix=f"spbcast-{name}.") as data:
+        os.makedirs(os.path.join(data, "data"))
+        write_data(data, cfg["warmup"] + cfg["steps"] + 2)
+        trainer_rounds(run_arm, arms, cfg, data, tests, args.timeout, name, result)
+    result.update(rows=trainer_rows(arms, result["records"], cfg, sp, more), load_after=loadavg(),
+                  minutes=(time.monotonic() - started) / 60)
+    write_results(args.out, name + "-quick" if args.quick else name, result, markdown(result))
+    return 0 if all(r["sp_batches_equal"] for r in result["rows"]) else 1
+
+
+def trainer_markdown(result, trainer, setup, wait_column, batch_column=False):
+    """A trainer bench's table: ``trainer`` (its name and version, for the machine line), ``setup``
+    (the ranks and their samples, up to the step), ``wait_column`` (what the followers' wait is),
+    with the batch's size where ``batch_column``."""
+    cfg = result["config"]
+    batch = ["batch (MiB)"] if batch_column else []
+    headers = ["arm", "path", "prefetch", *batch, "median step (s)", "x BASE", wait_column]
+    lines = [f"Command: `{result['command']}`", "", machine_line(result, f"{trainer}, "), "",
+             f"{setup}; a {cfg['step_seconds']} s step then all-reduces; {cfg['rounds']} rounds x {cfg['steps']} "
+             f"measured steps per arm ({cfg['warmup']} warm-up steps a round). " + USAGE_NOTE, "",
+             "| " + " | ".join(headers) + " " + USAGE_HEADER + "| SP batches equal |",
+             "|---" * (len(headers) + 6) + "|"]
+    for row in result["rows"]:
+        cells = [row["arm"], row["path"], row["prefetch"] or "-", *([f"{row['batch_mib']:.1f}"] if batch_column else []),
+                 f"{row['median_step_s']:.3f}", f"{row['x_base']:.3f}", f"{row['follower_next_ms_mean']:.1f}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " " + usage_cells(row)
+                     + f"| {'yes' if row['sp_batches_equal'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def trainer_rank(rank, world, init_file, out_dir, round_, tests, run_arm, arm, cfg, data):
+    """A spawned rank of a trainer's bench: the environment torchrun gives it, the Gloo group; writes
+    the record of ``run_arm(arm, cfg, data, rank)`` to out_dir/rank<N>.json. ``tests``:
+    python/tests, for the trainers' harnesses."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    torch.set_num_threads(1)
+    # As under torchrun: DataLoader workers fork (a spawned rank would spawn them, and a trainer's
+    # pickled dataset - ms-swift's template, without its model - would load again in each worker).
+    multiprocessing.set_start_method("fork", force=True)
+    sys.path.insert(0, tests)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    record = run_arm(arm, cfg, data, rank)
+    record["round"] = round_
+    dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump([record], f)
+    dist.destroy_process_group()
+
+
+def trainer_step(record, cfg, i, mine, sp_group):
+    """Step ``i`` of a trainer's loop, once the batch is there: usage() at the first measured step;
+    the step's sleep (a GPU-bound step leaves the CPU idle); an all-reduce over the world (the
+    gradients' stand-in) and of ``mine``, the batch's checksum, over the SP group (MAX of it and of
+    its negation: a mismatch where the SP ranks' batches differ); usage() after the last measured
+    step. Returns the time the step ended."""
+    if i == cfg["warmup"]:
+        record["before"] = usage()
+    time.sleep(cfg["step_seconds"])
+    dist.all_reduce(torch.ones(256))
+    seen = torch.tensor([mine, -mine], dtype=torch.int64)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=sp_group)
+    record["mismatches"] += int(seen[0] != -seen[1])
+    end = time.monotonic()
+    if i + 1 == cfg["warmup"] + cfg["steps"]:
+        after = usage()
+        record.update(mib=after["mib"], cpu_s_per_step=(after["cpu_s"] - record["before"]["cpu_s"]) / cfg["steps"])
+    return end
+
+
+def trainer_rounds(run_arm, arms, cfg, data, tests, timeout, name, result):
+    """Every arm in 4 ranks of its own (a trainer's enable() is process-wide), arm after arm, round
+    after round: each rank trainer_rank() running ``run_arm(arm, cfg, data, rank)``."""
+    for round_ in range(cfg["rounds"]):
+        for arm in arms:
+            records = spawn_ranks(trainer_rank, lambda init_file, out_dir: (WORLD, init_file, out_dir, round_, tests,
+                                                                            run_arm, arm, cfg, data),
+                                  timeout, f"{name} {arm['name']}")
+            result["records"] += records
+            times = sorted(s["step"] for s in records[0]["steps"][cfg["warmup"]:])
+            print(f"  round {round_} {arm['name']}: median {statistics.median(times):.3f} s", flush=True)
+
+
+def trainer_rows(arms, records, cfg, sp, more=lambda mine: {}):
+    """A row per arm: its path and prefetch, the median step and its ratio to BASE's (the first
+    arm), the followers' wait, usage by role, whether the SP batches were equal; ``more(records)``
+    adds a trainer's own columns."""
+    rows = []
+    for arm in arms:
+        mine = [r for r in records if r["arm"] == arm["name"]]
+        leaders = [r for r in mine if r["rank"] % sp == 0]
+        followers = [r for r in mine if r["rank"] % sp != 0]
+        rows.append({
+            "arm": arm["name"], "path": mine[0]["path"], "prefetch": mine[0]["prefetch"],
+            "median_step_s": statistics.median(slowest_step_times(mine, cfg)), **more(mine),
+            "follower_next_ms_mean": next_ms_mean(followers, cfg),
+            **usage_by_role(mine, leaders, followers, cfg["rounds"]),
+            "sp_batches_equal": all(r["mismatches"] == 0 for r in mine)})
+    for row in rows:
+        row["x_base"] = row["median_step_s"] / rows[0]["median_step_s"]
+    return rows
 
 
 def machine():

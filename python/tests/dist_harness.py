@@ -61,3 +61,34 @@ def run(world, fn, *args, timeout=120, prepare=None, start_method="spawn"):
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
+
+
+def run_arms(world, run_arm, root, tag, arms, timeout=170, prepare=None, seed=1234):
+    """Forks one job of ``world`` ranks from this process (they start with the trainer's modules it
+    imported) whose ranks each run ``run_arm(arm, rank, root)`` -> a record for every arm of
+    ``arms`` in turn, a barrier after each; returns {arm name: [its record per rank]}. The BASE
+    arms run before the dedup arms (``arm.dedup``): a trainer's ``enable()`` is process-wide."""
+    dedup = [arm.dedup for arm in arms]
+    assert dedup == sorted(dedup), "the BASE arms run before the dedup arms: enable() is process-wide"
+    run(world, _arms_rank, run_arm, root, tag, arms, seed, timeout=timeout, prepare=prepare, start_method="fork")
+    per_rank = [torch.load(os.path.join(root, f"records-{tag}-rank{r}.pt"), weights_only=False)
+                for r in range(world)]
+    return {arm.name: [records[arm.name] for records in per_rank] for arm in arms}
+
+
+def _arms_rank(rank, world, run_arm, root, tag, arms, seed):
+    torch.manual_seed(seed)  # every rank alike, before the first arm
+    records = {}
+    for arm in arms:
+        records[arm.name] = run_arm(arm, rank, root)
+        dist.barrier()
+    torch.save(records, os.path.join(root, f"records-{tag}-rank{rank}.pt"))
+
+
+def assert_refused_on_every_rank(records, where, says):
+    """Every rank's record (run_arms') holds an error that names the rank and ``where`` (a module:
+    "spbcast: rank N (where): ") and says ``says``."""
+    for rank, record in enumerate(records):
+        assert record["error"] is not None, f"rank {rank} raised nothing"
+        assert f"spbcast: rank {rank} ({where}): " in record["error"], record["error"]
+        assert says in record["error"], record["error"]

@@ -8,19 +8,16 @@ loading, the dataset and its ``LazyLLMDataset`` with the template's encoding, th
 trainer): the BASE arms first, then ``spbcast.swift.enable()`` (process-wide) and the dedup arms.
 Each rank records what it saw.
 
-The model is a tiny Qwen2-VL written to a directory from a config (random weights, a word-level
-tokenizer holding Qwen2-VL's special tokens at their ids); the images are PNG files made from a
-seed. Nothing is downloaded. Two shims, the same in BASE and dedup, stand in for what this
-environment lacks: torchvision (no CPU wheel for this torch on PyPI; qwen_vl_utils imports it at
-module level and uses it for videos only) is a bare module, and the processor is built in code
-(transformers' Qwen2VLProcessor asks torchvision for a video processor when it loads one).
+The model is a tiny Qwen2-VL written to a directory from a config (tiny_qwen.py: random weights,
+a word-level tokenizer holding Qwen2-VL's special tokens at their ids); the images are PNG files
+made from a seed. Nothing is downloaded. tiny_qwen.py's two shims stand in, the same in BASE and
+dedup, for what this environment lacks (torchvision); ms-swift is given the images-only
+processor, built in code.
 """
 
 import hashlib
 import json
 import os
-import sys
-import types
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MODELSCOPE_OFFLINE", "1")
@@ -28,12 +25,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
-from PIL import Image  # noqa: E402
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor  # noqa: E402
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
 
 import swift.dataset.utils  # noqa: E402
 import swift.model.register  # noqa: E402
@@ -41,24 +33,12 @@ import swift.template  # noqa: E402
 import transformers.trainer  # noqa: E402
 from swift.pipelines.train.sft import SwiftSft  # noqa: E402
 
+import tiny_qwen  # noqa: E402
 
-def _bare_torchvision():
-    """qwen_vl_utils imports torchvision (io, transforms.InterpolationMode) for its video readers;
-    the images path never calls it. Installed after transformers and datasets asked whether
-    torchvision is there (they find it is not)."""
-    if "torchvision" in sys.modules:
-        return
-    tv = types.ModuleType("torchvision")
-    tv.__version__ = "0.0"
-    tv.io = types.ModuleType("torchvision.io")
-    tv.transforms = types.ModuleType("torchvision.transforms")
-    tv.transforms.InterpolationMode = types.SimpleNamespace(BICUBIC="bicubic", BILINEAR="bilinear")
-    sys.modules.update({"torchvision": tv, "torchvision.io": tv.io, "torchvision.transforms": tv.transforms})
-
-
-_bare_torchvision()
+tiny_qwen.bare_torchvision()  # after transformers and datasets looked for torchvision
 
 import dist_harness  # noqa: E402
+from calls_counted import CallCounter  # noqa: E402
 import spbcast  # noqa: E402
 import spbcast.swift  # noqa: E402
 
@@ -73,24 +53,7 @@ WORDS = ["<unk>"] + [f"w{i}" for i in range(64)] + ["system", "user", "assistant
 
 
 def make_tokenizer():
-    vocab = {word: i for i, word in enumerate(WORDS)}
-    vocab.update(SPECIAL_TOKENS)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<|endoftext|>",
-                                   eos_token="<|im_end|>")
-
-
-class _ImagesOnlyQwen2VLProcessor(Qwen2VLProcessor):
-    """Qwen2-VL's processor without a video processor (transformers' needs torchvision)."""
-
-    def check_argument_for_proper_class(self, argument_name, argument):
-        return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
-
-    def save_pretrained(self, save_directory, **kwargs):  # a checkpoint's copy, never read back here
-        self.tokenizer.save_pretrained(save_directory)
-        self.image_processor.save_pretrained(save_directory)
+    return tiny_qwen.word_tokenizer(WORDS, SPECIAL_TOKENS)
 
 
 # The image processor's bound on an image's pixels (the bench raises it for larger images).
@@ -98,12 +61,10 @@ IMAGE_MAX_PIXELS = {"value": 28 * 28 * 16}
 
 
 def make_processor():
-    images = Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,
-                                      min_pixels=28 * 28 * 4, max_pixels=IMAGE_MAX_PIXELS["value"])
     chat = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    return _ImagesOnlyQwen2VLProcessor(image_processor=images, tokenizer=make_tokenizer(),
-                                       video_processor=None, chat_template=chat)
+    return tiny_qwen.images_only_processor(make_tokenizer(), tiny_qwen.image_processor(IMAGE_MAX_PIXELS["value"]),
+                                           chat)
 
 
 def _processor_in_code(loader, model_dir, config):
@@ -115,17 +76,7 @@ swift.model.register.ModelLoader.get_processor = _processor_in_code
 
 
 def write_model(directory):
-    """A tiny Qwen2-VL (1 text layer, 1 vision block, 2 KV heads: SP 2 is plain Ulysses)."""
-    config = Qwen2VLConfig(
-        text_config=dict(vocab_size=151680, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
-        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652)
-    torch.manual_seed(0)
-    Qwen2VLForConditionalGeneration(config).save_pretrained(directory)
-    make_tokenizer().save_pretrained(directory)
+    tiny_qwen.write_qwen2_vl(directory, make_tokenizer(), vocab_size=151680)
 
 
 def write_dataset(directory, n=SAMPLES, seed=3, side=None):
@@ -135,9 +86,7 @@ def write_dataset(directory, n=SAMPLES, seed=3, side=None):
     path = os.path.join(directory, "train.jsonl")
     with open(path, "w") as f:
         for i in range(n):
-            h, w = (side, side) if side else (28 * rng.randint(2, 5), 28 * rng.randint(2, 5))
-            image = os.path.join(directory, f"image{i}.png")
-            Image.fromarray(rng.randint(0, 256, (h, w, 3), dtype=np.uint8)).save(image)
+            image = tiny_qwen.write_image(os.path.join(directory, f"image{i}.png"), rng, side)
             words = " ".join(f"w{j}" for j in rng.randint(0, 64, rng.randint(3, 12)))
             f.write(json.dumps({"messages": [{"role": "user", "content": "<image>Describe the image ."},
                                              {"role": "assistant", "content": words}],
@@ -145,29 +94,9 @@ def write_dataset(directory, n=SAMPLES, seed=3, side=None):
     return path
 
 
-# Every encode of a sample, in every process (DataLoader workers included): one line per call
-# in a file per rank, from the time a record starts.
-_ENCODES = {"path": None}
-_GETITEM = swift.dataset.utils.LazyLLMDataset.__getitem__
-
-
-def _counted_getitem(self, idx):
-    if _ENCODES["path"] is not None:
-        with open(_ENCODES["path"], "a") as f:
-            f.write(f"{os.getpid()}\n")
-    return _GETITEM(self, idx)
-
-
-swift.dataset.utils.LazyLLMDataset.__getitem__ = _counted_getitem
-
-
-def encodes(path):
-    """How many samples this rank encoded since the record started: in all, and in its workers."""
-    if not os.path.exists(path):
-        return 0, 0
-    with open(path) as f:
-        pids = f.read().split()
-    return len(pids), sum(pid != str(os.getpid()) for pid in pids)  # all, in other processes
+# Every encode of a sample, in every process of a rank (DataLoader workers included), from the
+# time a record starts.
+ENCODES = CallCounter(swift.dataset.utils.LazyLLMDataset, "__getitem__")
 
 
 class Arm:
@@ -224,14 +153,14 @@ def _loader_record(trainer, record):
         loader.set_epoch(epoch)  # as transformers' _run_epoch
         batches = [_digest(batch) for batch in loader]
         record["epochs"].append({"batches": batches, "rng": torch.get_rng_state(),
-                                 "encodes": encodes(_ENCODES["path"])[0]})
+                                 "encodes": ENCODES.count()[0]})
     # ms-swift's resume path: the Trainer's skip_first_batches, patched by ms-swift to rebuild the
     # loader through get_train_dataloader(skip_batches=n).
     with trainer._patch_skip_first_batches():
         skipped = transformers.trainer.skip_first_batches(loader, 2)
     skipped.set_epoch(1)
     record["skipped"] = {"len": len(skipped), "batches": [_digest(batch) for batch in skipped],
-                         "rng": torch.get_rng_state(), "encodes": encodes(_ENCODES["path"])[0]}
+                         "rng": torch.get_rng_state(), "encodes": ENCODES.count()[0]}
     record["stats"] = spbcast.swift.stats(loader)
 
 
@@ -253,15 +182,12 @@ def _train_record(trainer, record):
 
 def _run_arm(arm, rank, root):
     record = {"error": None}
-    _ENCODES["path"] = None
 
     def train(trainer):
-        _ENCODES["path"] = os.path.join(root, f"encodes-{arm.name}-rank{rank}")
-        if os.path.exists(_ENCODES["path"]):
-            os.remove(_ENCODES["path"])
+        ENCODES.start(os.path.join(root, f"encodes-{arm.name}-rank{rank}"))
         (_loader_record if arm.kind == "loader" else _train_record)(trainer, record)
-        _ENCODES["path"] = None
-        record["encodes"], record["encodes_in_workers"] = encodes(os.path.join(root, f"encodes-{arm.name}-rank{rank}"))
+        ENCODES.stop()
+        record["encodes"], record["encodes_in_workers"] = ENCODES.count()
 
     try:
         if arm.dedup and not arm.plugin:
@@ -281,15 +207,6 @@ def _environment(rank):
                       LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
 
 
-def _rank(rank, world, root, tag, arms):
-    torch.manual_seed(1234)  # the pipeline seeds every rank alike (--seed); this is before it
-    records = {}
-    for arm in arms:
-        records[arm.name] = _run_arm(arm, rank, root)
-        dist.barrier()
-    torch.save(records, os.path.join(root, f"records-{tag}-rank{rank}.pt"))
-
-
 def checkpoint(root, arm, step=2):
     return os.path.join(root, arm, f"checkpoint-{step}")
 
@@ -303,12 +220,7 @@ def prepare(root):
 
 
 def run_arms(root, tag, arms, timeout=170):
-    """Forks one job of WORLD ranks whose ranks run ``arms`` in turn (BASE arms before dedup arms:
-    enable() is process-wide); returns {arm name: [record per rank]}."""
-    dedup = [arm.dedup for arm in arms]
-    assert dedup == sorted(dedup), "the BASE arms run before the dedup arms: enable() is process-wide"
+    """Forks one job of WORLD ranks whose ranks run ``arms`` in turn (dist_harness.run_arms);
+    returns {arm name: [record per rank]}."""
     prepare(root)
-    dist_harness.run(WORLD, _rank, root, tag, arms, timeout=timeout, prepare=_environment, start_method="fork")
-    per_rank = [torch.load(os.path.join(root, f"records-{tag}-rank{r}.pt"), weights_only=False)
-                for r in range(WORLD)]
-    return {arm.name: [records[arm.name] for records in per_rank] for arm in arms}
+    return dist_harness.run_arms(WORLD, _run_arm, root, tag, arms, timeout=timeout, prepare=_environment)

@@ -60,14 +60,9 @@ def runs(tmp_path_factory):
 
 def only_leaders_encode(arm, records, workers=False):
     import swift_ranks as sr
+    from calls_counted import assert_only_leaders
 
-    for rank in sr.LEADERS:
-        assert records[rank]["encodes"] > 0, f"{arm}: SP leader {rank} encoded no sample"
-        if workers:
-            assert records[rank]["encodes_in_workers"] == records[rank]["encodes"], (
-                f"{arm}: SP leader {rank} encoded in its main process, not in its DataLoader workers")
-    for rank in sr.FOLLOWERS:
-        assert records[rank]["encodes"] == 0, f"{arm}: SP follower {rank} encoded {records[rank]['encodes']} samples"
+    assert_only_leaders(arm, records, sr.LEADERS, sr.FOLLOWERS, "encodes", "encoded", workers)
 
 
 @pytest.mark.parametrize("workers", ["", "_workers"])
@@ -176,11 +171,9 @@ def test_resume_across_the_switch(runs):
     ("unknown_option", "'prefetch_depth'"),
 ])
 def test_refusals_are_clear_on_every_rank(runs, arm, says):
-    _, records = runs
-    for rank, record in enumerate(records[arm]):
-        assert record["error"] is not None, f"{arm}: rank {rank} raised nothing"
-        assert f"spbcast: rank {rank} (spbcast.swift): " in record["error"], record["error"]
-        assert says in record["error"], record["error"]
+    from dist_harness import assert_refused_on_every_rank
+
+    assert_refused_on_every_rank(runs[1][arm], "spbcast.swift", says)
 
 
 def test_import_spbcast_does_not_import_swift():
