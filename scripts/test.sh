@@ -12,6 +12,7 @@
 #   ./scripts/test.sh python-2.9   only the Python package on PyTorch 2.9.1 (the tests of what
 #                                  differs between torch releases)
 #   ./scripts/test.sh python-swift only spbcast.swift against ms-swift (its own environment)
+#   ./scripts/test.sh python-verl  only spbcast.verl against verl (its own environment)
 #   ./scripts/test.sh --build GEN  only configure and build GEN's tree (system or wheel)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,7 +44,7 @@ if [ "${1:-}" = "--build" ]; then
 fi
 
 ./scripts/setup.sh main  # installs what is missing; seconds when everything is there
-generations=("${@:-system wheel python python-2.9 python-swift}")
+generations=("${@:-system wheel python python-2.9 python-swift python-verl}")
 generations=(${generations[*]})
 
 # The environments of the later generations fill while the trees build, at a low priority, one
@@ -54,6 +55,7 @@ for gen in "${generations[@]}"; do
     case "$gen" in
         python-2.9) later_environments+=(reference) ;;
         python-swift) later_environments+=(swift) ;;
+        python-verl) later_environments+=(verl) ;;
     esac
 done
 environments_setup=""
@@ -76,13 +78,15 @@ ensure_environment() {
 # What differs between torch releases, within CI's budget: the XTuner switch on XTuner's real
 # pipeline (the media one) and Trainer (DeviceMesh, the accelerator API, DataLoader workers), the
 # loader's failures, patience and prefetch (group timeouts and names, the generator's state,
-# threads and fork), resume (the DataLoader's persistent iterator) and the extension built
+# threads and fork), resume (the DataLoader's persistent iterator), jagged nested tensors (torch's
+# private nested-tensor internals, python/spbcast/_wire/torch_nested.py) and the extension built
 # against this torch. The environment holds no XTuner (nor numpy): XTuner's tests run in its
 # overlay (scripts/setup.sh), where there is one.
 run_reference_suite() {
     echo "=== spbcast: Python package on PyTorch 2.9.1 ($REFERENCE_VENV)"
     "$REFERENCE_VENV/bin/python" -m pytest -q python/tests/test_loader_errors.py \
-        python/tests/test_global_ranks.py python/tests/test_prefetch.py python/tests/test_resume_matrix.py
+        python/tests/test_global_ranks.py python/tests/test_prefetch.py python/tests/test_resume_matrix.py \
+        python/tests/test_nested.py
     run_xtuner_tests "$REFERENCE_VENV" -k "not text_pipeline"
 }
 # XTuner v1's tests, in the XTuner overlay of an environment; a note where there is none.
@@ -97,12 +101,14 @@ run_xtuner_tests() {
     fi
 }
 
-# --- ms-swift (spbcast.swift) in its own environment ---------------------------------------------
-SWIFT_VENV="$(environment_dir swift)"
-run_swift_suite() {
-    echo "=== spbcast: spbcast.swift against ms-swift ($SWIFT_VENV)"
-    ensure_environment swift
-    "$SWIFT_VENV/bin/python" -m pytest -q python/tests/test_swift.py
+# --- the drop-ins whose trainers need environments of their own: ms-swift's (spbcast.swift) and
+# verl's (spbcast.verl). run_trainer_suite ENVIRONMENT TRAINER TEST ---------------------------------
+run_trainer_suite() {
+    local dir
+    dir="$(environment_dir "$1")"
+    echo "=== spbcast: spbcast.$1 against $2 ($dir)"
+    ensure_environment "$1"
+    "$dir/bin/python" -m pytest -q "$3"
 }
 # -------------------------------------------------------------------------------------------------
 
@@ -154,7 +160,9 @@ for i in "${!generations[@]}"; do
         SPBCAST_REFERENCE_VENV="$REFERENCE_VENV" "$VENV/bin/python" -m pytest -q python/tests
         run_xtuner_tests "$VENV"
     elif [ "$gen" = python-swift ]; then
-        run_swift_suite
+        run_trainer_suite swift ms-swift python/tests/test_swift.py
+    elif [ "$gen" = python-verl ]; then
+        run_trainer_suite verl verl python/tests/test_verl.py
     elif [ "$gen" = python-2.9 ]; then
         if [ -n "$reference_suite" ]; then
             echo "=== spbcast: waiting for the Python package's tests on PyTorch 2.9.1 (build-python-2.9.test.log)"
