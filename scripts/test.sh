@@ -43,7 +43,9 @@ if [ "${1:-}" = "--build" ]; then
     exit
 fi
 
-./scripts/setup.sh main  # installs what is missing; seconds when everything is there
+# Installs what is missing (seconds when everything is there); the Python package is built below,
+# while a tree builds, by the python generation.
+./scripts/setup.sh --no-python-package main
 generations=("${@:-system wheel python python-2.9 python-swift python-verl}")
 generations=(${generations[*]})
 
