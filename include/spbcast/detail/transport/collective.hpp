@@ -10,6 +10,7 @@
 #include "../../options.hpp"
 #include "../base/exception_text.hpp"
 #include "group_state.hpp"
+#include "peer_watch.hpp"
 #include "quarantine.hpp"
 
 #include <ATen/ATen.h>
@@ -41,6 +42,10 @@ inline constexpr int point_to_point_tag = 0x5bca;
 // Extra time on top of options.timeout before we stop waiting ourselves: the backend is given
 // the same timeout and normally reports first, with its own, more precise message.
 inline constexpr std::chrono::milliseconds wait_grace{2000};
+
+// How long a failed collective waits for the kernel to tell which peer on this host died, if
+// one did: its sockets close during its exit, a moment before the exit is reported.
+inline constexpr std::chrono::milliseconds death_notice_wait{200};
 
 template <class Group>
 class collective {
@@ -74,10 +79,11 @@ public:
     void launch(at::Tensor buffer, std::string phase, std::function<void()> on_done = {},
                 std::optional<std::chrono::milliseconds> timeout = std::nullopt) {
         while (pending_.size() >= std::max<std::size_t>(opts_.max_in_flight, 1)) finish_oldest();
+        raise_if_a_peer_died(phase);
         c10d::BroadcastOptions broadcast_options = broadcast_options_;
         if (timeout) broadcast_options.timeout = *timeout;
         pending p{{}, buffer, std::move(phase), std::move(on_done), {buffer},
-                  broadcast_options.timeout};
+                  broadcast_options.timeout, true};
         try {
             if constexpr (std::is_void_v<raw_work_type>)
                 group_.broadcast(p.tensors, broadcast_options);
@@ -98,7 +104,8 @@ public:
         if constexpr (point_to_point_group<Group>) {
             const std::size_t bound = in_flight != 0 ? in_flight : std::max<std::size_t>(opts_.max_in_flight, 1);
             while (pending_.size() >= bound) finish_oldest();
-            pending p{{}, buffer, std::move(phase), {}, {buffer}, opts_.timeout};
+            raise_if_a_peer_died(phase);
+            pending p{{}, buffer, std::move(phase), {}, {buffer}, opts_.timeout, false};
             try {
                 p.work = send ? group_.send(p.tensors, peer, point_to_point_tag)
                               : group_.recv(p.tensors, peer, point_to_point_tag);
@@ -165,12 +172,16 @@ private:
         std::function<void()> on_done;
         std::vector<at::Tensor> tensors;
         std::chrono::milliseconds timeout;
+        bool broadcast;  // a broadcast's work has a future (c10d's send and recv works do not)
     };
 
     void finish_oldest() {
         pending& p = pending_.front();
         try {
+            if (p.broadcast) wait_unless_a_peer_dies(p.work, p.timeout, p.phase);
             wait(p.work, p.timeout);
+        } catch (const transport_error&) {
+            throw;
         } catch (const std::exception& e) {
             fail(p.phase, exception_text(e), p.timeout);
         }
@@ -183,6 +194,47 @@ private:
         } catch (...) {
             if (!callback_failure_) callback_failure_ = std::current_exception();
         }
+    }
+
+    // With peers on this host watched, a broadcast is waited for until it completes or one of
+    // them dies (peer_watch.hpp): the death ends the wait at once, even while the dead
+    // process's children keep its sockets open and the backend waits on. Returns when the
+    // work completed or the wait timed out; the backend's own wait then reports either.
+    void wait_unless_a_peer_dies(work_type& work, std::chrono::milliseconds timeout, const std::string& phase) {
+        if constexpr (requires { work->getFuture()->completed(); }) {
+            if (state_.peers.empty()) return;
+            decltype(work->getFuture()) future;
+            try {
+                future = work->getFuture();
+            } catch (const std::exception&) {
+                return;  // a backend without futures: its own wait alone
+            }
+            if (!future) return;
+            if (!future->completed()) {
+                auto& watch = peer_watch::instance();
+                future->addCallback([&watch](auto&) { watch.notify(); });
+                const auto deadline = std::chrono::steady_clock::now() + timeout + wait_grace;
+                const std::string death =
+                    watch.wait(state_.peers, deadline, [&future] { return future->completed(); });
+                if (!death.empty() && !future->completed()) peer_died(phase, death);
+            }
+        } else {
+            (void)work, (void)timeout, (void)phase;
+        }
+    }
+
+    // A broadcast is not started on a group one of whose peers on this host has died: the
+    // collective could never complete.
+    void raise_if_a_peer_died(const std::string& phase) {
+        if (const std::string death = peer_watch::instance().death_among(state_.peers); !death.empty())
+            peer_died(phase, death);
+    }
+
+    [[noreturn]] void peer_died(const std::string& phase, const std::string& death) {
+        break_group(errc::transport,
+                    where() + " failed in phase '" + phase + "': " + death +
+                        "\nThe group is unusable now - restart the job.",
+                    phase);
     }
 
     void wait(work_type& work, std::chrono::milliseconds timeout) {
@@ -198,6 +250,12 @@ private:
 
     [[noreturn]] void fail(const std::string& phase, const std::string& what,
                            std::chrono::milliseconds timeout) {
+        // The backend saw the peer's sockets close: the kernel tells its death a moment later.
+        if (!state_.peers.empty()) {
+            const std::string death = peer_watch::instance().wait(
+                state_.peers, std::chrono::steady_clock::now() + death_notice_wait, [] { return false; });
+            if (!death.empty()) peer_died(phase, death + " (" + what + ")");
+        }
         const bool timed_out = what.find("imed out") != std::string::npos ||
                                what.find("imeout") != std::string::npos;
         break_group(timed_out ? errc::timeout : errc::transport,

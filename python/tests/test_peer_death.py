@@ -1,0 +1,123 @@
+"""A dead peer is named within a second, whatever holds its sockets (docs/errors.md).
+
+Real processes (3 ranks, real Gloo, a LeaderLoader over a real DataLoader with 0, 2 or 2
+persistent workers), real kills: a rank SIGKILLs itself mid-fetch, while large batches are in
+flight, or between steps (peer_death_ranks.py). Every survivor must raise spbcast's error naming
+the dead rank, its host and how it ended within 1 s of the kill - measured in the processes
+themselves, on CLOCK_MONOTONIC - and close its loader, destroy its process group (which joins
+the backend's threads) and exit within 1 s after it, leaving no process behind. A
+leader that is only stopped (SIGSTOP) is not dead: its followers fail at root_wait, not sooner.
+The dead rank is reaped only after the survivors ended, so the kernel still tells its signal."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+WORLD = 3
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _run(case, workers):
+    with tempfile.TemporaryDirectory() as out:
+        env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        ranks = [subprocess.Popen([sys.executable, os.path.join(HERE, "peer_death_ranks.py"), str(r), str(WORLD),
+                                   os.path.join(out, "store"), out, case, workers],
+                                  env=env, start_new_session=True) for r in range(WORLD)]
+        ended, victim = {}, None
+        deadline = time.monotonic() + 120
+        try:
+            while time.monotonic() < deadline:
+                if victim is None and os.path.exists(os.path.join(out, "victim.json")):
+                    with open(os.path.join(out, "victim.json")) as f:
+                        victim = json.load(f)
+                # Survivors only: the victim stays a zombie, so its exit status can be read.
+                for r, p in enumerate(ranks):
+                    if r not in ended and (victim is None or p.pid != victim["pid"]):
+                        if p.poll() is not None:
+                            ended[r] = (time.monotonic(), p.returncode)
+                if victim is not None and len(ended) == WORLD - 1:
+                    break
+                time.sleep(0.005)
+            else:
+                raise AssertionError(f"{case}: the ranks did not end within 120 s (ended: {sorted(ended)})")
+            records = {}
+            for r in ended:
+                with open(os.path.join(out, f"rank{r}.json")) as f:
+                    records[r] = json.load(f)
+            return victim, records, ended, ranks
+        finally:
+            for p in ranks:
+                if p.poll() is None:
+                    try:
+                        os.kill(p.pid, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass
+                    p.kill()
+                p.wait()
+            _no_process_left(ranks)
+
+
+def _no_process_left(ranks, wait=15):
+    """Every process of the ranks' sessions (the dead leader's DataLoader workers included) is
+    gone - torch's worker watchdog ends a dead leader's workers within its 5 s period."""
+    sessions = {p.pid for p in ranks}
+    end = time.monotonic() + wait
+    while True:
+        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _session(pid) in sessions]
+        if not left:
+            return
+        assert time.monotonic() < end, f"processes left behind: {left}"
+        time.sleep(0.1)
+
+
+def _session(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+CASES = [("leader-fetch", "2"), ("leader-fetch", "2p"), ("leader-fetch", "0"),
+         ("leader-broadcast", "2"), ("leader-between", "2"), ("leader-between", "2p"),
+         ("leader-between", "0"), ("follower-between", "2"), ("follower-between", "0")]
+
+
+@pytest.mark.parametrize("case,workers", CASES, ids=[f"{c}-{w}w" for c, w in CASES])
+def test_survivors_name_the_dead_rank_within_a_second(case, workers):
+    victim, records, ended, ranks = _run(case, workers)
+    dead = 1 if case.startswith("follower") else 0
+    assert victim["pid"] == ranks[dead].pid
+    host = socket.gethostname()
+    for r, rec in records.items():
+        assert rec["error"] is not None, f"rank {r} ended its loop without an error"
+        assert rec["type"] == "TransportError" and rec["code"] == "transport", rec
+        assert (f"rank {dead} (RANK={dead}, host {host}, pid {victim['pid']}) exited: killed by signal 9 (SIGKILL)"
+                in rec["error"]), rec["error"]
+        detected = rec["at"] - victim["at"]
+        assert 0 <= detected < 1.0, f"rank {r} raised {detected:.3f} s after the kill: {rec['error']}"
+        exited = ended[r][0] - rec["at"]
+        assert exited < 1.0, f"rank {r} took {exited:.3f} s to exit after its error"
+        assert ended[r][1] == 0 and rec["children"] == [], (ended[r], rec["children"])
+        print(f"{case} workers={workers}: rank {r} raised {detected * 1000:.0f} ms after the kill, "
+              f"closed, destroyed its group and exited {exited * 1000:.0f} ms later")
+
+
+@pytest.mark.parametrize("workers", ["2", "0"])
+def test_a_stopped_leader_is_waited_for(workers):
+    victim, records, ended, ranks = _run("leader-stopped", workers)
+    assert victim["signal"] == signal.SIGSTOP
+    for r, rec in records.items():
+        assert rec["type"] == "TransportError" and rec["code"] == "timeout", rec
+        waited = rec["at"] - victim["at"]
+        assert waited >= 3.0, f"rank {r} gave up on a stopped leader after {waited:.3f} s, before root_wait"
+        assert "exited" not in rec["error"], rec["error"]
+        exited = ended[r][0] - rec["at"]
+        assert exited < 1.0, f"rank {r} took {exited:.3f} s to exit after its error"
