@@ -5,7 +5,11 @@ every process of the host), when spbcast raised and what, into <out>/rank<r>.jso
 that ends writes when it sent the signal to <out>/victim.json first.
 
     python peer_death_ranks.py RANK WORLD STORE_FILE OUT_DIR CASE WORKERS
-CASE: leader-fetch | leader-broadcast | leader-between | follower-between | leader-stopped
+CASE: leader-fetch | leader-broadcast | leader-between | follower-between | leader-stopped |
+      trainer-leader (WORLD 4: transformers' real Trainer under spbcast.accelerate.enable on the
+      (dp_shard 2, tp 2) mesh of accelerate_ranks.py; the TP leader rank 0 SIGKILLs itself at the
+      end of optimizer step 2; the other ranks record what they raised, spbcast's or the
+      backend's: ranks 2 and 3 fail in the gradients' all-reduce, not in spbcast)
 WORKERS: 0 | 2 | 2p (persistent)
 """
 
@@ -62,10 +66,48 @@ def _end_myself(out, sig, when=0.0):
         go()
 
 
+def trainer(rank, world, store_file, out, workers):
+    """The trainer-leader case: the drop-in inside its real loop."""
+    import accelerate_ranks as ar
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    ar._environment(rank)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+
+    class Kill(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if rank == 0 and state.global_step == 2:
+                _end_myself(out, signal.SIGKILL)
+
+    args = TrainingArguments(output_dir=os.path.join(out, f"trainer{rank}"), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, num_train_epochs=2, save_strategy="no",
+                             logging_strategy="no", use_cpu=True, seed=ar.SEED, report_to=[],
+                             dataloader_num_workers=int(workers), disable_tqdm=True)
+    t = Trainer(model=ar.tiny_llama(), args=args, train_dataset=ar.Samples(ar.TRAINER_SAMPLES), callbacks=[Kill()])
+    t.accelerator.state.device_mesh = mesh
+    spbcast.accelerate.enable(t.accelerator)
+    record = {"rank": rank, "pid": os.getpid()}
+    try:
+        t.train()
+        record["error"] = None
+    except Exception as e:  # noqa: BLE001 - ranks 2 and 3 fail in the backend, not in spbcast
+        record.update(error=str(e), type=type(e).__name__, code=getattr(e, "code", None), at=time.monotonic())
+    dist.destroy_process_group()
+    record["children"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(p) == os.getpid())
+    _write(os.path.join(out, f"rank{rank}.json"), record)
+    os._exit(0)
+
+
 def main():
     rank, world, store_file, out, case, workers = sys.argv[1:7]
     rank, world = int(rank), int(world)
     os.environ["RANK"] = str(rank)
+    if case == "trainer-leader":
+        import spbcast.accelerate  # noqa: F401
+        return trainer(rank, world, store_file, out, workers)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))

@@ -24,12 +24,12 @@ WORLD = 3
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _run(case, workers):
+def _run(case, workers, world=WORLD):
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        ranks = [subprocess.Popen([sys.executable, os.path.join(HERE, "peer_death_ranks.py"), str(r), str(WORLD),
+        ranks = [subprocess.Popen([sys.executable, os.path.join(HERE, "peer_death_ranks.py"), str(r), str(world),
                                    os.path.join(out, "store"), out, case, workers],
-                                  env=env, start_new_session=True) for r in range(WORLD)]
+                                  env=env, start_new_session=True) for r in range(world)]
         ended, victim = {}, None
         deadline = time.monotonic() + 120
         try:
@@ -42,7 +42,7 @@ def _run(case, workers):
                     if r not in ended and (victim is None or p.pid != victim["pid"]):
                         if p.poll() is not None:
                             ended[r] = (time.monotonic(), p.returncode)
-                if victim is not None and len(ended) == WORLD - 1:
+                if victim is not None and len(ended) == world - 1:
                     break
                 time.sleep(0.005)
             else:
@@ -121,3 +121,25 @@ def test_a_stopped_leader_is_waited_for(workers):
         assert "exited" not in rec["error"], rec["error"]
         exited = ended[r][0] - rec["at"]
         assert exited < 1.0, f"rank {r} took {exited:.3f} s to exit after its error"
+
+
+def test_the_trainer_drop_in_names_a_dead_tp_leader():
+    """transformers' real Trainer under spbcast.accelerate.enable, 4 ranks on the (dp_shard 2,
+    tp 2) mesh, 2 DataLoader workers: the TP leader rank 0 is killed at the end of an optimizer
+    step; its follower rank 1 raises spbcast's error naming it within 1 s and exits within 1 s.
+    Ranks 2 and 3 (the other TP pair) fail in the gradients' all-reduce, the backend's error;
+    they only have to end."""
+    pytest.importorskip("accelerate", reason="accelerate is not installed (scripts/setup.sh installs accelerate==1.15.0)")
+    pytest.importorskip("transformers", reason="transformers is not installed (scripts/setup.sh installs it)")
+    victim, records, ended, ranks = _run("trainer-leader", "2", world=4)
+    assert victim["pid"] == ranks[0].pid
+    rec = records[1]
+    assert rec["type"] == "TransportError" and rec["code"] == "transport", rec
+    assert (f"rank 0 (RANK=0, host {socket.gethostname()}, pid {victim['pid']}) exited: killed by signal 9 (SIGKILL)"
+            in rec["error"]), rec["error"]
+    detected, exited = rec["at"] - victim["at"], ended[1][0] - rec["at"]
+    assert 0 <= detected < 1.0, f"rank 1 raised {detected:.3f} s after the kill: {rec['error']}"
+    assert exited < 1.0, f"rank 1 took {exited:.3f} s to exit after its error"
+    for r in (2, 3):
+        assert records[r]["error"] is not None, f"rank {r} finished training without its DP peer"
+    print(f"Trainer: rank 1 raised {detected * 1000:.0f} ms after the kill, exited {exited * 1000:.0f} ms later")

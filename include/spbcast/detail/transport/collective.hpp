@@ -199,7 +199,8 @@ private:
     // With peers on this host watched, a broadcast is waited for until it completes or one of
     // them dies (peer_watch.hpp): the death ends the wait at once, even while the dead
     // process's children keep its sockets open and the backend waits on. Returns when the
-    // work completed or the wait timed out; the backend's own wait then reports either.
+    // work completed (the backend's own wait then reports how); throws at the deadline, which is
+    // the backend's wait's own.
     void wait_unless_a_peer_dies(work_type& work, std::chrono::milliseconds timeout, const std::string& phase) {
         if constexpr (requires { work->getFuture()->completed(); }) {
             if (state_.peers.empty()) return;
@@ -216,7 +217,10 @@ private:
                 const auto deadline = std::chrono::steady_clock::now() + timeout + wait_grace;
                 const std::string death =
                     watch.wait(state_.peers, deadline, [&future] { return future->completed(); });
-                if (!death.empty() && !future->completed()) peer_died(phase, death);
+                if (future->completed()) return;
+                if (!death.empty()) peer_died(phase, death);
+                // The deadline passed: the backend's wait would wait as long again.
+                throw std::runtime_error("timed out waiting for the backend");
             }
         } else {
             (void)work, (void)timeout, (void)phase;
@@ -250,14 +254,15 @@ private:
 
     [[noreturn]] void fail(const std::string& phase, const std::string& what,
                            std::chrono::milliseconds timeout) {
+        const bool timed_out = what.find("imed out") != std::string::npos ||
+                               what.find("imeout") != std::string::npos;
         // The backend saw the peer's sockets close: the kernel tells its death a moment later.
-        if (!state_.peers.empty()) {
+        // Not after a timeout: a peer that gave up at the same moment and left is no cause.
+        if (!timed_out && !state_.peers.empty()) {
             const std::string death = peer_watch::instance().wait(
                 state_.peers, std::chrono::steady_clock::now() + death_notice_wait, [] { return false; });
             if (!death.empty()) peer_died(phase, death + " (" + what + ")");
         }
-        const bool timed_out = what.find("imed out") != std::string::npos ||
-                               what.find("imeout") != std::string::npos;
         break_group(timed_out ? errc::timeout : errc::transport,
                     where() + " failed in phase '" + phase + "' (" +
                         (timed_out ? std::string("timed out after ") +

@@ -135,7 +135,7 @@ public:
         return true;
     }
 
-    // The first of `pids` known dead: "rank 0 (global rank 0, host h1, pid 1234) exited:
+    // The first of `pids` to die: "rank 0 (global rank 0, host h1, pid 1234) exited:
     // killed by signal 9 (SIGKILL)"; empty when all live.
     std::string death_among(const std::vector<int>& pids) {
         if (pids.empty() || !in_owner() || deaths_.load(std::memory_order_acquire) == 0) return {};
@@ -166,6 +166,7 @@ private:
         unsigned long long start_time = 0;
         std::string who;
         std::string death;  // how it ended, once it has
+        std::uint64_t order = 0;  // 1 for the first death seen here, 2 for the next...
     };
 
     peer_watch() : owner_(::getpid()) {}
@@ -213,12 +214,16 @@ private:
     }
     bool in_owner() const { return ::getpid() == owner_; }
 
+    // The earliest death, not the first dead rank in the group's order: a rank that failed
+    // because of that death may exit too before a survivor names it.
     std::string death_among_locked(const std::vector<int>& pids) const {
+        const peer* first = nullptr;
         for (int pid : pids) {
             auto it = peers_.find(pid);
-            if (it != peers_.end() && !it->second.death.empty()) return it->second.who + " " + it->second.death;
+            if (it != peers_.end() && !it->second.death.empty() && (!first || it->second.order < first->order))
+                first = &it->second;
         }
-        return {};
+        return first ? first->who + " " + first->death : std::string();
     }
 
     void run() {
@@ -250,7 +255,7 @@ private:
                               : "exited";
                 ::close(p.fd);
                 p.fd = -1;
-                deaths_.fetch_add(1, std::memory_order_release);
+                p.order = deaths_.fetch_add(1, std::memory_order_release) + 1;
                 died = true;
             }
             if (died) cv_.notify_all();
