@@ -6,6 +6,8 @@ that ends writes when it sent the signal to <out>/victim.json first.
 
     python peer_death_ranks.py RANK WORLD STORE_FILE OUT_DIR CASE WORKERS
 CASE: leader-fetch | leader-broadcast | leader-between | follower-between | leader-stopped |
+      hosts-leader-between (as leader-between; the test runs 4 ranks in two network
+      namespaces, 2 a "host") |
       trainer-leader (WORLD 4: transformers' real Trainer under spbcast.accelerate.enable on the
       (dp_shard 2, tp 2) mesh of accelerate_ranks.py; the TP leader rank 0 SIGKILLs itself at the
       end of optimizer step 2; the other ranks record what they raised, spbcast's or the
@@ -68,7 +70,7 @@ def _end_myself(out, sig, when=0.0):
 
 def trainer(rank, world, store_file, out, workers):
     """The trainer-leader case: the drop-in inside its real loop."""
-    import accelerate_ranks as ar
+    import accelerate_ranks as ar  # imports spbcast.accelerate
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -106,7 +108,6 @@ def main():
     rank, world = int(rank), int(world)
     os.environ["RANK"] = str(rank)
     if case == "trainer-leader":
-        import spbcast.accelerate  # noqa: F401
         return trainer(rank, world, store_file, out, workers)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,

@@ -24,12 +24,21 @@ WORLD = 3
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _run(case, workers, world=WORLD):
+def _run(case, workers, world=WORLD, hosts=None):
+    """hosts: [(namespace, device)] - rank r runs in hosts[r // 2] (ip netns exec)."""
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        ranks = [subprocess.Popen([sys.executable, os.path.join(HERE, "peer_death_ranks.py"), str(r), str(world),
-                                   os.path.join(out, "store"), out, case, workers],
-                                  env=env, start_new_session=True) for r in range(world)]
+
+        def start(r):
+            cmd = [sys.executable, os.path.join(HERE, "peer_death_ranks.py"), str(r), str(world),
+                   os.path.join(out, "store"), out, case, workers]
+            if not hosts:
+                return subprocess.Popen(cmd, env=env, start_new_session=True)
+            ns, dev = hosts[r // 2]
+            return subprocess.Popen(["ip", "netns", "exec", ns] + cmd, env=dict(env, GLOO_SOCKET_IFNAME=dev),
+                                    start_new_session=True)
+
+        ranks = [start(r) for r in range(world)]
         ended, victim = {}, None
         deadline = time.monotonic() + 120
         try:
@@ -44,6 +53,8 @@ def _run(case, workers, world=WORLD):
                             ended[r] = (time.monotonic(), p.returncode)
                 if victim is not None and len(ended) == world - 1:
                     break
+                if victim is None and len(ended) == world:
+                    raise AssertionError(f"{case}: every rank ended before the kill: {ended}")
                 time.sleep(0.005)
             else:
                 raise AssertionError(f"{case}: the ranks did not end within 120 s (ended: {sorted(ended)})")
@@ -84,6 +95,8 @@ def _session(pid):
     except (OSError, IndexError, ValueError):
         return -1
 
+
+from test_hosts import two_hosts  # noqa: E402,F401 - the fixture: two network namespaces
 
 CASES = [("leader-fetch", "2"), ("leader-fetch", "2p"), ("leader-fetch", "0"),
          ("leader-broadcast", "2"), ("leader-between", "2"), ("leader-between", "2p"),
@@ -143,3 +156,21 @@ def test_the_trainer_drop_in_names_a_dead_tp_leader():
     for r in (2, 3):
         assert records[r]["error"] is not None, f"rank {r} finished training without its DP peer"
     print(f"Trainer: rank 1 raised {detected * 1000:.0f} ms after the kill, exited {exited * 1000:.0f} ms later")
+
+
+def test_a_dead_leader_is_named_on_the_other_host(two_hosts):
+    """4 ranks on two "hosts" (network namespaces, 2 ranks each: the hierarchical path), 2
+    DataLoader workers: the leader rank 0 is killed between steps. Rank 1, on its host, names it
+    from the kernel's notice; ranks 2 and 3, on the other host, from the group's store, where
+    rank 1 wrote it (death_board.hpp) - each within 1 s of the kill, and each exits within 1 s."""
+    victim, records, ended, ranks = _run("hosts-leader-between", "2", world=4, hosts=two_hosts)
+    assert victim["pid"] == ranks[0].pid
+    for r, rec in records.items():
+        assert rec["error"] is not None, f"rank {r} ended its loop without an error"
+        assert rec["type"] == "TransportError" and rec["code"] == "transport", rec
+        assert (f"rank 0 (RANK=0, host {socket.gethostname()}, pid {victim['pid']}) exited: killed by signal 9 "
+                f"(SIGKILL)" in rec["error"]), (r, rec["error"])
+        detected, exited = rec["at"] - victim["at"], ended[r][0] - rec["at"]
+        assert 0 <= detected < 1.0, f"rank {r} raised {detected:.3f} s after the kill: {rec['error']}"
+        assert exited < 1.0, f"rank {r} took {exited:.3f} s to exit after its error"
+        print(f"two hosts: rank {r} raised {detected * 1000:.0f} ms after the kill, exited {exited * 1000:.0f} ms later")

@@ -9,6 +9,7 @@
 #include "../../group.hpp"
 #include "../../options.hpp"
 #include "../base/exception_text.hpp"
+#include "death_board.hpp"
 #include "group_state.hpp"
 #include "peer_watch.hpp"
 #include "quarantine.hpp"
@@ -46,6 +47,9 @@ inline constexpr std::chrono::milliseconds wait_grace{2000};
 // How long a failed collective waits for the kernel to tell which peer on this host died, if
 // one did: its sockets close during its exit, a moment before the exit is reported.
 inline constexpr std::chrono::milliseconds death_notice_wait{200};
+// How much longer it waits for a death on another host, told through the group's store
+// (death_board.hpp), after it waited death_notice_wait for one on its own.
+inline constexpr std::chrono::milliseconds board_extra_wait{100};
 
 template <class Group>
 class collective {
@@ -256,12 +260,17 @@ private:
                            std::chrono::milliseconds timeout) {
         const bool timed_out = what.find("imed out") != std::string::npos ||
                                what.find("imeout") != std::string::npos;
-        // The backend saw the peer's sockets close: the kernel tells its death a moment later.
+        // The backend saw the peer's sockets close: the kernel tells its death a moment later,
+        // on this host, or a rank of its host writes it on the group's board for the others.
         // Not after a timeout: a peer that gave up at the same moment and left is no cause.
         if (!timed_out && !state_.peers.empty()) {
             const std::string death = peer_watch::instance().wait(
                 state_.peers, std::chrono::steady_clock::now() + death_notice_wait, [] { return false; });
             if (!death.empty()) peer_died(phase, death + " (" + what + ")");
+        }
+        if (!timed_out && state_.board) {
+            const std::string death = state_.board->read(state_.peers.empty() ? death_notice_wait : board_extra_wait);
+            if (!death.empty()) peer_died(phase, death + ", as its host's ranks tell (" + what + ")");
         }
         break_group(timed_out ? errc::timeout : errc::transport,
                     where() + " failed in phase '" + phase + "' (" +

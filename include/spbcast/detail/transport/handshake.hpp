@@ -16,6 +16,7 @@
 #include "../../error.hpp"
 #include "../../options.hpp"
 #include "collective.hpp"
+#include "death_board.hpp"
 #include "descriptor_socket.hpp"
 #include "fork_safety.hpp"
 #include "../wire/frame.hpp"
@@ -38,6 +39,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <random>
@@ -337,7 +339,8 @@ inline std::vector<relay_host> hosts_of(const handshake_offer& offer, const std:
 }
 
 // Every rank of the group on this host is watched from now on (peer_watch.hpp): its death
-// wakes this rank's waits on the group at once, and its messages name it.
+// wakes this rank's waits on the group at once, and its messages name it; this rank then
+// writes the name on the group's death board for the ranks of other hosts (death_board.hpp).
 inline void watch_peers_on_this_host(const handshake_offer& offer, const std::vector<handshake_answer>& answers,
                                      int root, int rank, const host_identity& me, group_state& gstate) {
     if (!me.known() || !peer_watch::available()) return;
@@ -345,7 +348,13 @@ inline void watch_peers_on_this_host(const handshake_offer& offer, const std::ve
         const host_identity& id = r == root ? offer.host : answers[static_cast<std::size_t>(r)].host;
         if (r == rank || !(id == me) || id.pid <= 0 || id.pid == me.pid) continue;
         if (std::find(gstate.peers.begin(), gstate.peers.end(), id.pid) != gstate.peers.end()) continue;
-        if (peer_watch::instance().watch(id.pid, describe_peer(r, id))) gstate.peers.push_back(id.pid);
+        std::function<void(const std::string&)> tell_other_hosts;
+        if (gstate.board)
+            tell_other_hosts = [board = gstate.board, who = describe_peer(r, id)](const std::string& how) {
+                board->post(who + " " + how);
+            };
+        if (peer_watch::instance().watch(id.pid, describe_peer(r, id), std::move(tell_other_hosts)))
+            gstate.peers.push_back(id.pid);
     }
 }
 
@@ -465,6 +474,7 @@ std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options
         }
     }
     listener.reset();  // the name disappears; nobody else can connect
+    if (!gstate.board) gstate.board = death_board::of(group);
     watch_peers_on_this_host(*offer, answers, root, rank, me, gstate);
     // Across hosts the relay runs even where every rank is alone on its host (each gets the
     // payload into memory of its own); on one host the path needs a follower that maps.

@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -112,11 +113,16 @@ public:
     }
 
     // Watches process `pid`, named in messages as `who` ("rank 0 (global rank 4, host h1,
-    // pid 1234)"). Returns false where it cannot (no pidfds, the process is already gone).
-    bool watch(int pid, const std::string& who) {
+    // pid 1234)"); `on_death`, where given, is called from the watch thread with how it ended
+    // ("exited: killed by signal 9 (SIGKILL)") when it dies (death_board.hpp: telling other
+    // hosts). Returns false where it cannot (no pidfds, the process is already gone).
+    bool watch(int pid, const std::string& who, std::function<void(const std::string&)> on_death = {}) {
         if (!in_owner()) return false;
         std::lock_guard<std::mutex> lock(mutex_);
-        if (peers_.count(pid)) return true;
+        if (auto it = peers_.find(pid); it != peers_.end()) {
+            if (on_death) it->second.on_death.push_back(std::move(on_death));
+            return true;
+        }
         const auto st = read_proc_stat(pid);
         const int fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
         if (fd < 0 || !st) {
@@ -124,6 +130,7 @@ public:
             return false;
         }
         peers_[pid] = peer{fd, st->start_time, who, {}};
+        if (on_death) peers_[pid].on_death.push_back(std::move(on_death));
         if (!thread_started_) {
             ::pthread_atfork(nullptr, nullptr, &release_connections_in_child);
             wake_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -167,6 +174,7 @@ private:
         std::string who;
         std::string death;  // how it ended, once it has
         std::uint64_t order = 0;  // 1 for the first death seen here, 2 for the next...
+        std::vector<std::function<void(const std::string&)>> on_death;
     };
 
     peer_watch() : owner_(::getpid()) {}
@@ -244,6 +252,7 @@ private:
                 (void)!::read(wake_, &n, sizeof n);
             }
             bool died = false;
+            std::vector<std::pair<std::function<void(const std::string&)>, std::string>> told;
             for (std::size_t i = 1; i < fds.size(); ++i) {
                 if (!fds[i].revents) continue;
                 // A zombie still tells its wait status until its parent reaps it.
@@ -256,9 +265,12 @@ private:
                 ::close(p.fd);
                 p.fd = -1;
                 p.order = deaths_.fetch_add(1, std::memory_order_release) + 1;
+                for (auto& f : p.on_death) told.emplace_back(std::move(f), p.death);
+                p.on_death.clear();
                 died = true;
             }
             if (died) cv_.notify_all();
+            for (auto& [f, how] : told) f(how);  // outside the lock: it may talk to a store
         }
     }
 
