@@ -201,7 +201,8 @@ private:
     }
 
     // With peers on this host watched, a broadcast is waited for until it completes or one of
-    // them dies (peer_watch.hpp): the death ends the wait at once, even while the dead
+    // them fails (peer_watch.hpp: killed by a signal, or exited with a status other than 0): the
+    // death ends the wait at once, even while the dead
     // process's children keep its sockets open and the backend waits on. Returns when the
     // work completed (the backend's own wait then reports how); throws at the deadline, which is
     // the backend's wait's own.
@@ -265,7 +266,8 @@ private:
         // Not after a timeout: a peer that gave up at the same moment and left is no cause.
         if (!timed_out && !state_.peers.empty()) {
             const std::string death = peer_watch::instance().wait(
-                state_.peers, std::chrono::steady_clock::now() + death_notice_wait, [] { return false; });
+                state_.peers, std::chrono::steady_clock::now() + death_notice_wait, [] { return false; },
+                peer_watch::any_exit);
             if (!death.empty()) peer_died(phase, death + " (" + what + ")");
         }
         if (!timed_out && state_.board) {

@@ -114,7 +114,7 @@ public:
 
     // Watches process `pid`, named in messages as `who` ("rank 0 (global rank 4, host h1,
     // pid 1234)"); `on_death`, where given, is called from the watch thread with how it ended
-    // ("exited: killed by signal 9 (SIGKILL)") when it dies (death_board.hpp: telling other
+    // ("exited: killed by signal 9 (SIGKILL)") when it fails (death_board.hpp: telling other
     // hosts). Returns false where it cannot (no pidfds, the process is already gone).
     bool watch(int pid, const std::string& who, std::function<void(const std::string&)> on_death = {}) {
         if (!in_owner()) return false;
@@ -142,22 +142,30 @@ public:
         return true;
     }
 
-    // The first of `pids` to die: "rank 0 (global rank 0, host h1, pid 1234) exited:
+    // Which ends count: a failure (killed by a signal, an exit status other than 0, or an exit
+    // whose status is gone, reaped at once by its parent), or any exit. A rank that exited with
+    // status 0 did its part: a message it took part in may still complete for the others (a
+    // follower that received the last broadcast and left), so waits end only on a failure; a
+    // backend that failed already names any exit (collective.hpp).
+    static constexpr bool any_exit = true;
+
+    // The first of `pids` to fail: "rank 0 (global rank 0, host h1, pid 1234) exited:
     // killed by signal 9 (SIGKILL)"; empty when all live.
     std::string death_among(const std::vector<int>& pids) {
         if (pids.empty() || !in_owner() || deaths_.load(std::memory_order_acquire) == 0) return {};
         std::lock_guard<std::mutex> lock(mutex_);
-        return death_among_locked(pids);
+        return death_among_locked(pids, false);
     }
 
     // Waits until `done()` is true, one of `pids` is dead, or `deadline`, and returns the
     // death's text (empty: none). `done` is checked under this watch's lock: whoever makes it
     // true calls notify() afterwards.
     template <class Done>
-    std::string wait(const std::vector<int>& pids, std::chrono::steady_clock::time_point deadline, Done done) {
+    std::string wait(const std::vector<int>& pids, std::chrono::steady_clock::time_point deadline, Done done,
+                     bool exits = false) {
         std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait_until(lock, deadline, [&] { return done() || !death_among_locked(pids).empty(); });
-        return death_among_locked(pids);
+        cv_.wait_until(lock, deadline, [&] { return done() || !death_among_locked(pids, exits).empty(); });
+        return death_among_locked(pids, exits);
     }
 
     // A completion that a wait above may be waiting for.
@@ -173,6 +181,7 @@ private:
         unsigned long long start_time = 0;
         std::string who;
         std::string death;  // how it ended, once it has
+        bool failed = false;      // not an exit with status 0
         std::uint64_t order = 0;  // 1 for the first death seen here, 2 for the next...
         std::vector<std::function<void(const std::string&)>> on_death;
     };
@@ -224,11 +233,12 @@ private:
 
     // The earliest death, not the first dead rank in the group's order: a rank that failed
     // because of that death may exit too before a survivor names it.
-    std::string death_among_locked(const std::vector<int>& pids) const {
+    std::string death_among_locked(const std::vector<int>& pids, bool exits) const {
         const peer* first = nullptr;
         for (int pid : pids) {
             auto it = peers_.find(pid);
-            if (it != peers_.end() && !it->second.death.empty() && (!first || it->second.order < first->order))
+            if (it != peers_.end() && !it->second.death.empty() && (exits || it->second.failed) &&
+                (!first || it->second.order < first->order))
                 first = &it->second;
         }
         return first ? first->who + " " + first->death : std::string();
@@ -259,13 +269,14 @@ private:
                 const auto st = read_proc_stat(pids[i]);
                 std::lock_guard<std::mutex> lock(mutex_);
                 peer& p = peers_[pids[i]];
-                p.death = st && st->state == 'Z' && st->start_time == p.start_time
-                              ? "exited: " + describe_wait_status(st->exit_code)
-                              : "exited";
+                const bool known = st && st->state == 'Z' && st->start_time == p.start_time;
+                p.death = known ? "exited: " + describe_wait_status(st->exit_code) : "exited";
+                p.failed = !known || st->exit_code != 0;
                 ::close(p.fd);
                 p.fd = -1;
                 p.order = deaths_.fetch_add(1, std::memory_order_release) + 1;
-                for (auto& f : p.on_death) told.emplace_back(std::move(f), p.death);
+                if (p.failed)
+                    for (auto& f : p.on_death) told.emplace_back(std::move(f), p.death);
                 p.on_death.clear();
                 died = true;
             }
