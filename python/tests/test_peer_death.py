@@ -130,7 +130,8 @@ def test_a_stopped_leader_is_waited_for(workers):
     for r, rec in records.items():
         assert rec["type"] == "TransportError" and rec["code"] == "timeout", rec
         waited = rec["at"] - victim["at"]
-        assert waited >= 3.0, f"rank {r} gave up on a stopped leader after {waited:.3f} s, before root_wait"
+        # Its wait for the step may have begun a moment before the leader stopped itself.
+        assert waited >= 3.0 - 0.25, f"rank {r} gave up on a stopped leader after {waited:.3f} s, before root_wait"
         assert "exited" not in rec["error"], rec["error"]
         exited = ended[r][0] - rec["at"]
         assert exited < 1.0, f"rank {r} took {exited:.3f} s to exit after its error"

@@ -105,7 +105,7 @@ long long time_after(const std::string& output, const std::string& marker) {
 
 // A rank killed (SIGKILL) on the same-host path, after it forked a child that keeps running as a
 // DataLoader worker does: each survivor raises a transport_error naming the dead rank - its
-// RANK, host and pid, and how it ended - within 1 s of the kill, and its process, which returns
+// RANK, host and pid, and how it ended where the kernel still knew - within 1 s of the kill, and its process, which returns
 // from main and so destroys its Gloo group, ends within 1 s of that error.
 void check_death_named(const std::vector<spbcast_test::process_result>& results, int dead,
                        const std::vector<int>& survivors, const std::string& all) {
@@ -121,7 +121,10 @@ void check_death_named(const std::vector<spbcast_test::process_result>& results,
         CHECK_MESSAGE(f.type == "transport_error", all);
         CHECK_MESSAGE(f.errc == "transport error", all);
         CHECK_MESSAGE(contains(f.what, "(RANK=" + std::to_string(dead) + ", host "), all);
-        CHECK_MESSAGE(contains(f.what, "exited: killed by signal 9 (SIGKILL)"), all);
+        // How it ended, where its zombie was still there to tell: the launcher reaps its
+        // children every 20 ms, and then the message says "exited" alone.
+        CHECK_MESSAGE(contains(f.what, ") exited"), all);
+        if (contains(f.what, "exited:")) CHECK_MESSAGE(contains(f.what, "exited: killed by signal 9 (SIGKILL)"), all);
         const long long raised = time_after(results[r].output, "SPBCAST_AT");
         REQUIRE_MESSAGE(raised > 0, all);
         CHECK_MESSAGE(raised - killed <= 1000, all);
