@@ -114,11 +114,44 @@ run_trainer_suite() {
 }
 # -------------------------------------------------------------------------------------------------
 
+# The suites of the Python generations that run in environments of their own.
+run_side_suite() {
+    case "$1" in
+        python-2.9) ensure_environment reference
+                    run_reference_suite ;;
+        python-swift) run_trainer_suite swift ms-swift python/tests/test_swift.py ;;
+        python-verl) run_trainer_suite verl verl python/tests/test_verl.py ;;
+    esac
+}
+# With the python generation, these run one after the other beside its suite: their ranks, like
+# its, mostly wait on sockets, processes and timeouts (every distributed test waits for all its
+# ranks to set up before it starts, and bounds its waits generously). Each one's output goes to
+# build-<gen>.test.log and its exit status to build-<gen>.test.status, printed and checked when
+# the loop reaches it.
+side_generations=()
+if [[ " ${generations[*]} " == *" python "* ]]; then
+    for gen in "${generations[@]}"; do
+        case "$gen" in python-*) side_generations+=("$gen") ;; esac
+    done
+fi
+rm -f build-python-*.test.status
+run_side_suites() {
+    local gen status
+    for gen in "${side_generations[@]}"; do
+        # A subshell of its own, outside any condition, so that errexit holds in the suite.
+        set +e
+        (set -e; run_side_suite "$gen") > "build-$gen.test.log" 2>&1
+        status=$?
+        set -e
+        echo "$status" > "build-$gen.test.status"
+    done
+}
+
 background=""
-reference_suite=""
+side_suites=""
 trap '[ -z "$background" ] || kill -- "-${background##*:}" 2>/dev/null || true
       [ -z "$environments_setup" ] || kill -- "-$environments_setup" 2>/dev/null || true
-      [ -z "$reference_suite" ] || kill -- "-$reference_suite" 2>/dev/null || true' EXIT
+      [ -z "$side_suites" ] || kill -- "-$side_suites" 2>/dev/null || true' EXIT
 for i in "${!generations[@]}"; do
     gen="${generations[$i]}"
     if [ "${background%%:*}" = "$gen" ]; then
@@ -148,35 +181,23 @@ for i in "${!generations[@]}"; do
     if [ "$gen" = python ]; then
         echo "=== spbcast: Python package ($VENV)"
         SPBCAST_VENV="$VENV" ./scripts/python_package.sh
-        if [[ " ${generations[*]} " == *" python-2.9 "* ]]; then
-            # The two suites run side by side: their ranks mostly wait on sockets, processes and
-            # timeouts (every distributed test waits for all its ranks to set up before it starts,
-            # and bounds its waits generously), and CI has two cores for 36 minutes.
-            ensure_environment reference
+        if [ ${#side_generations[@]} -gt 0 ]; then
             set -m
-            run_reference_suite > build-python-2.9.test.log 2>&1 &
-            reference_suite=$!
+            run_side_suites &
+            side_suites=$!
             set +m
         fi
         # From the repository root, so that `import spbcast` finds the installed package.
-        SPBCAST_REFERENCE_VENV="$REFERENCE_VENV" "$VENV/bin/python" -m pytest -q python/tests
+        SPBCAST_REFERENCE_VENV="$REFERENCE_VENV" "$VENV/bin/python" -m pytest -q --durations=15 python/tests
         run_xtuner_tests "$VENV"
-    elif [ "$gen" = python-swift ]; then
-        run_trainer_suite swift ms-swift python/tests/test_swift.py
-    elif [ "$gen" = python-verl ]; then
-        run_trainer_suite verl verl python/tests/test_verl.py
-    elif [ "$gen" = python-2.9 ]; then
-        if [ -n "$reference_suite" ]; then
-            echo "=== spbcast: waiting for the Python package's tests on PyTorch 2.9.1 (build-python-2.9.test.log)"
-            status=0
-            wait "$reference_suite" || status=$?
-            reference_suite=""
-            cat build-python-2.9.test.log
-            [ "$status" = 0 ] || exit "$status"
-        else
-            ensure_environment reference
-            run_reference_suite
-        fi
+    elif [[ " ${side_generations[*]} " == *" $gen "* ]]; then
+        echo "=== spbcast: waiting for $gen's tests (build-$gen.test.log)"
+        while [ ! -f "build-$gen.test.status" ] && kill -0 "$side_suites" 2>/dev/null; do sleep 1; done
+        cat "build-$gen.test.log"
+        status="$(cat "build-$gen.test.status" 2>/dev/null || echo 1)"
+        [ "$status" = 0 ] || exit "$status"
+    elif [[ "$gen" == python-* ]]; then
+        run_side_suite "$gen"
     else
         # What does not depend on the LibTorch a tree links (spbcast's own static_asserts, the
         # docs' links, the layering of the headers) runs in the first tree only.
