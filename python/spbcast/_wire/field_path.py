@@ -1,6 +1,7 @@
 """Where a value sits in the batch, for the errors that name it (as C++ detail/wire/field_path.hpp),
 and what a follower raises for a value it will not rebuild."""
 
+import importlib
 import json
 
 
@@ -34,3 +35,13 @@ class Refused(Exception):
 def corrupt(what):
     return Refused(f"the root sent {what}, which this version of the spbcast package cannot "
                    "read (is the same spbcast installed on every rank?)", "corrupt_frame")
+
+
+def import_optional(module):
+    """The module of an optional dependency, imported only when a root sent one of its values; a
+    follower without it refuses that value, naming it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise Refused(f"the root sent a {module} value and {module} is not installed on this rank; "
+                      f"install {module} on every rank", "schema_mismatch", module) from e

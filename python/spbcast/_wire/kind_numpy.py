@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from .field_path import Refused, corrupt
+from .field_path import Refused, corrupt, import_optional
 from .kind_traits import TAG_BYTES, TAG_NUMPY_ARRAY, TAG_NUMPY_SCALAR, Kind, check_bytes
 
 _NUMPY_KINDS = "biufcmMSUV"
@@ -47,16 +47,6 @@ class _NumpyValue(Kind):
                                "dtypes (send each field of a structured array as its own array; "
                                "convert object arrays)")
         return self
-
-
-def _numpy():
-    # Imported only when the root sent a numpy value: numpy stays optional.
-    try:
-        import numpy
-    except ImportError as e:
-        raise Refused("the root sent a numpy value and numpy is not installed on this rank; "
-                      "install numpy on every rank", "schema_mismatch", "numpy") from e
-    return numpy
 
 
 def _dtype(np, text):
@@ -98,7 +88,7 @@ class NumpyArray(_NumpyValue):
         if not (len(value) == 4 and type(value[2]) is list and type(value[3]) is torch.Tensor
                 and len(value[2]) <= 64 and all(type(d) is int and d >= 0 for d in value[2])):
             raise corrupt("a malformed numpy array")
-        np = _numpy()
+        np = import_optional("numpy")
         dt = _dtype(np, value[1])
         tensor, shape = value[3], value[2]
         key = (id(tensor), dt.str, tuple(shape))
@@ -138,7 +128,7 @@ class NumpyScalar(_NumpyValue):
     def decode(self, decoder, value, depth):
         if len(value) != 3 or type(value[2]) is not bytes:
             raise corrupt("a malformed numpy scalar")
-        np = _numpy()
+        np = import_optional("numpy")
         dt = _dtype(np, value[1])
         data = value[2]
         if len(data) != dt.itemsize or dt.itemsize == 0:

@@ -26,7 +26,7 @@ import sys
 import torch
 
 from . import torch_nested
-from .field_path import Refused, corrupt
+from .field_path import Refused, corrupt, import_optional
 from .kind_containers import decode_entries, encode_entries
 from .kind_traits import TAG_NON_TENSOR_DATA, TAG_NON_TENSOR_STACK, TAG_TENSORDICT, Kind
 
@@ -41,16 +41,6 @@ def _is_tensorclass(cls):
     td = sys.modules.get("tensordict")
     is_tc = getattr(td, "is_tensorclass", None)
     return is_tc is not None and is_tc(cls)
-
-
-def _tensordict():
-    # Imported only when the root sent a TensorDict value: tensordict stays optional.
-    try:
-        import tensordict
-    except ImportError as e:
-        raise Refused("the root sent a tensordict value and tensordict is not installed on this "
-                      "rank; install tensordict on every rank", "schema_mismatch", "tensordict") from e
-    return tensordict
 
 
 def _device(encoder, value, path):
@@ -123,7 +113,7 @@ class TensorDict(_TensorDictValue):
         if names is not None and not (type(names) is list and len(names) == len(batch)
                                       and all(n is None or type(n) is str for n in names)):
             raise corrupt("a TensorDict whose names do not match its batch_size")
-        td = _tensordict()
+        td = import_optional("tensordict")
         entries = decode_entries(decoder, value[1], depth)
         kinds = (td.TensorDict, td.NonTensorData, td.NonTensorStack)
         for k, v in entries.items():
@@ -160,7 +150,7 @@ class NonTensorData(_TensorDictValue):
         except Refused as e:
             e.segments.append(".data")
             raise
-        td = _tensordict()
+        td = import_optional("tensordict")
         out = _rebuilt(lambda: td.NonTensorData(data=data, batch_size=batch, device=device),
                        "NonTensorData")
         if type(out) is not td.NonTensorData or list(out.batch_size) != batch:
@@ -191,7 +181,7 @@ class NonTensorStack(_TensorDictValue):
             raise corrupt(f"a NonTensorStack whose stack_dim {value[2]} is not one of its "
                           f"{len(batch)} dimensions")
         items = decoder.elements(value[1], depth, lambda i: f".tensordicts[{i}]")
-        td = _tensordict()
+        td = import_optional("tensordict")
         if not all(type(v) in (td.NonTensorData, td.NonTensorStack) for v in items):
             raise corrupt("a NonTensorStack holding something other than NonTensorData and "
                           "NonTensorStack")
