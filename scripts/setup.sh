@@ -102,14 +102,6 @@ export UV_PYTHON_DOWNLOADS=never
 PYTHON="$(python3 -c 'import sys; print(sys.executable)')"
 
 # --- the environments ----------------------------------------------------------------------------
-# A package's installed version from its metadata, empty if absent (importing torch to ask would
-# take seconds). version_of PYTHON PACKAGE.
-version_of() {
-    "$1" -c 'import importlib.metadata as m, sys
-try: print(m.version(sys.argv[1]))
-except m.PackageNotFoundError: pass' "$2"
-}
-
 # make_environment NAME: the environment from scripts/envs/NAME.txt (and NAME.no-deps.txt), made
 # anew when those files change; one set-up at a time per environment (test.sh fills some in the
 # background while a script in the foreground may ask for one).

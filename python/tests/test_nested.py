@@ -89,12 +89,17 @@ def _check_nested(expected, got):
     assert got["view_grad"]._values.requires_grad and got["view_grad"]._values.is_leaf
 
 
-def _round_trips(rank, world):
+def _from_every_root(rank, world, cases, check):
+    """Each rank in turn broadcasts cases(itself); every other rank checks what it got."""
     for src in range(world):
-        expected = nested_cases(src)
+        expected = cases(src)
         got = spbcast.broadcast(expected if rank == src else None, src=src)
         if rank != src:
-            _check_nested(expected, got)
+            check(expected, got)
+
+
+def _round_trips(rank, world):
+    _from_every_root(rank, world, nested_cases, _check_nested)
     expected = nested_cases(9)
     got = spbcast.broadcast(expected if rank == 0 else None, src=0, transport="network")
     if rank:
@@ -155,14 +160,14 @@ def tensordict_cases(seed):
     }
 
 
+def _check_tensordicts(expected, got):
+    assert_same(expected, got)
+    assert got["batch"]["input_ids"].offsets() is got["batch"]["position_ids"].offsets()
+    assert got["batch"]["uids"] == ["a", "b"] and dict(got["batch"].items())["grid"].tolist() == [[1, 3], [2, 4]]
+
+
 def _tensordicts(rank, world):
-    for src in range(world):
-        expected = tensordict_cases(src)
-        got = spbcast.broadcast(expected if rank == src else None, src=src)
-        if rank != src:
-            assert_same(expected, got)
-            assert got["batch"]["input_ids"].offsets() is got["batch"]["position_ids"].offsets()
-            assert got["batch"]["uids"] == ["a", "b"] and dict(got["batch"].items())["grid"].tolist() == [[1, 3], [2, 4]]
+    _from_every_root(rank, world, tensordict_cases, _check_tensordicts)
 
 
 def test_tensordicts_round_trip():
