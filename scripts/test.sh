@@ -37,7 +37,7 @@ build() {
         wheel) torch_dir="$("$VENV/bin/python" -c 'import torch, os; print(os.path.join(os.path.dirname(torch.__file__), "share/cmake/Torch"))')" ;;
         *) echo "unknown generation '$1' (system, wheel, python)"; exit 2 ;;
     esac
-    step "$1 LibTorch ($torch_dir)"
+    step "building the $1 generation against LibTorch in $torch_dir"
     cmake -S . -B "build/$1" -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$torch_dir" \
           -DSPBCAST_PYTHON="$VENV/bin/python" > "build-$1.configure.log" 2>&1 \
         || { cat "build-$1.configure.log"; exit 1; }
@@ -209,6 +209,7 @@ for i in "${!generations[@]}"; do
         # docs' links, the layering of the headers) runs in the first tree only.
         skip=()
         if [ "$gen" != "${generations[0]}" ]; then skip=(-E '^(compile_fail\.|docs_links$|layers$)'); fi
+        step "the $gen generation's tests (ctest in build/$gen)"
         (cd "build/$gen" && ctest --output-on-failure --timeout 900 "${skip[@]}")
     fi
 done
