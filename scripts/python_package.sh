@@ -32,9 +32,12 @@ SECONDS=0
 built="$HOME/.cache/spbcast/wheels/$sources"
 if ! ls "$built"/spbcast-*.whl > /dev/null 2>&1; then
     echo "setup: building the Python package spbcast for $VENV (about 45 s)"
-    # One compile job: the extension is one source file (torch's build runs it through ccache
-    # when ccache is installed).
-    export MAX_JOBS=1 CCACHE_BASEDIR="$PWD"
+    # One compile job: the extension is one source file. torch's build calls `c++`: ccache's
+    # folder of compiler links, first in PATH, makes that ccache, and the hash leaves out the
+    # folder built in (the flags hold -g), so the same sources built elsewhere - test_install.py
+    # builds a copy - compile once.
+    export MAX_JOBS=1 CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=1
+    if [ -d /usr/lib/ccache ]; then export PATH="/usr/lib/ccache:$PATH"; fi
     rm -rf "$built.partial"
     "$VENV/bin/pip" wheel -q --no-build-isolation --no-deps ./python -w "$built.partial" > python-package.build.log 2>&1 \
         || { cat python-package.build.log; exit 1; }

@@ -23,6 +23,12 @@ REFERENCE_VENV="$(environment_dir reference)"
 # Lets ccache reuse objects between clones in different folders (CI builds a fresh clone).
 export CCACHE_BASEDIR="$PWD"
 JOBS="${SPBCAST_JOBS:-2}"
+# Each step's line says how long the run has taken so far (.ci/run passes its own start on).
+export SPBCAST_CLOCK_START="${SPBCAST_CLOCK_START:-$(date +%s)}"
+step() {
+    local s=$(($(date +%s) - SPBCAST_CLOCK_START))
+    printf '=== [%d:%02d] spbcast: %s\n' $((s / 60)) $((s % 60)) "$*"
+}
 
 build() {
     local torch_dir
@@ -31,7 +37,7 @@ build() {
         wheel) torch_dir="$("$VENV/bin/python" -c 'import torch, os; print(os.path.join(os.path.dirname(torch.__file__), "share/cmake/Torch"))')" ;;
         *) echo "unknown generation '$1' (system, wheel, python)"; exit 2 ;;
     esac
-    echo "=== spbcast: $1 LibTorch ($torch_dir)"
+    step "$1 LibTorch ($torch_dir)"
     cmake -S . -B "build/$1" -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$torch_dir" \
           -DSPBCAST_PYTHON="$VENV/bin/python" > "build-$1.configure.log" 2>&1 \
         || { cat "build-$1.configure.log"; exit 1; }
@@ -85,7 +91,7 @@ ensure_environment() {
 # against this torch. The environment holds no XTuner (nor numpy): XTuner's tests run in its
 # overlay (scripts/setup.sh), where there is one.
 run_reference_suite() {
-    echo "=== spbcast: Python package on PyTorch 2.9.1 ($REFERENCE_VENV)"
+    step "Python package on PyTorch 2.9.1 ($REFERENCE_VENV)"
     "$REFERENCE_VENV/bin/python" -m pytest -q python/tests/test_loader_errors.py \
         python/tests/test_global_ranks.py python/tests/test_prefetch.py python/tests/test_resume_matrix.py \
         python/tests/test_nested.py
@@ -96,10 +102,10 @@ run_xtuner_tests() {
     local overlay="$1-xtuner"
     shift
     if [ -x "$overlay/bin/python" ]; then
-        echo "=== spbcast: XTuner v1's tests in its overlay ($overlay)"
+        step "XTuner v1's tests in its overlay ($overlay)"
         "$overlay/bin/python" -m pytest -q python/tests/test_xtuner.py python/tests/test_xtuner_trainer.py "$@"
     else
-        echo "=== spbcast: no XTuner v1 overlay ($overlay): XTuner's tests skipped (scripts/setup.sh installs it from ../shared/wheels/xtuner-*.whl or \$SPBCAST_XTUNER_WHEEL)"
+        step "no XTuner v1 overlay ($overlay): XTuner's tests skipped (scripts/setup.sh installs it from ../shared/wheels/xtuner-*.whl or \$SPBCAST_XTUNER_WHEEL)"
     fi
 }
 
@@ -108,7 +114,7 @@ run_xtuner_tests() {
 run_trainer_suite() {
     local dir
     dir="$(environment_dir "$1")"
-    echo "=== spbcast: spbcast.$1 against $2 ($dir)"
+    step "spbcast.$1 against $2 ($dir)"
     ensure_environment "$1"
     "$dir/bin/python" -m pytest -q "$3"
 }
@@ -155,7 +161,7 @@ trap '[ -z "$background" ] || kill -- "-${background##*:}" 2>/dev/null || true
 for i in "${!generations[@]}"; do
     gen="${generations[$i]}"
     if [ "${background%%:*}" = "$gen" ]; then
-        echo "=== spbcast: waiting for the $gen build (build-$gen.log)"
+        step "waiting for the $gen build (build-$gen.log)"
         wait "${background##*:}" || { cat "build-$gen.log"; exit 1; }
         background=""
         grep "spbcast:" "build-$gen.log" || true
@@ -179,7 +185,7 @@ for i in "${!generations[@]}"; do
         set +m
     fi
     if [ "$gen" = python ]; then
-        echo "=== spbcast: Python package ($VENV)"
+        step "Python package ($VENV)"
         SPBCAST_VENV="$VENV" ./scripts/python_package.sh
         if [ ${#side_generations[@]} -gt 0 ]; then
             set -m
@@ -191,7 +197,7 @@ for i in "${!generations[@]}"; do
         SPBCAST_REFERENCE_VENV="$REFERENCE_VENV" "$VENV/bin/python" -m pytest -q --durations=15 python/tests
         run_xtuner_tests "$VENV"
     elif [[ " ${side_generations[*]} " == *" $gen "* ]]; then
-        echo "=== spbcast: waiting for $gen's tests (build-$gen.test.log)"
+        step "waiting for $gen's tests (build-$gen.test.log)"
         while [ ! -f "build-$gen.test.status" ] && kill -0 "$side_suites" 2>/dev/null; do sleep 1; done
         cat "build-$gen.test.log"
         status="$(cat "build-$gen.test.status" 2>/dev/null || echo 1)"
@@ -206,3 +212,4 @@ for i in "${!generations[@]}"; do
         (cd "build/$gen" && ctest --output-on-failure --timeout 900 "${skip[@]}")
     fi
 done
+step "every test passed"
