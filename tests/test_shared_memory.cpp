@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <c10/core/CPUAllocator.h>
 
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 
@@ -399,6 +400,34 @@ std::vector<spbcast_test::process_result> run_mode(int world, std::vector<std::s
 }
 
 }  // namespace
+
+TEST_CASE("shared memory: what a root sent before it closed its link is read, though it left a report unread") {
+    // A root may end its path (close_same_host_channels, an error) as soon as its broadcast
+    // returned, before a follower read that broadcast's segments and with the follower's own
+    // report unread: the kernel then reports ECONNRESET to the follower first, once.
+    using namespace spbcast::detail;
+    int pair[2];
+    REQUIRE(::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) == 0);
+    owned_fd root_end(pair[0]), follower_end(pair[1]);
+    shm_message report;
+    report.kind = shm_message_kind::released;
+    REQUIRE(send_message(follower_end.get(), report, {}, 1000ms) == send_status::sent);
+    owned_fd attached(::open("/dev/null", O_RDONLY | O_CLOEXEC));  // stands for a segment's memfd
+    shm_message segments;
+    segments.kind = shm_message_kind::segments;
+    segments.sequence = 7;
+    segments.count = segments.descriptors = 1;
+    segments.ids[0] = 3;
+    REQUIRE(send_message(root_end.get(), segments, {attached.get()}, 1000ms) == send_status::sent);
+    root_end.reset();
+
+    shm_message got;
+    std::vector<owned_fd> fds;
+    REQUIRE(receive_message(follower_end.get(), got, fds, 1000ms) == receive_status::ok);
+    CHECK((got.kind == shm_message_kind::segments && got.sequence == 7 && got.ids[0] == 3));
+    CHECK(fds.size() == 1);
+    CHECK(receive_message(follower_end.get(), got, fds, 1000ms) == receive_status::closed);
+}
 
 TEST_CASE("shared memory: a child forked after a batch arrived keeps that batch while later ones reuse memory") {
     const long baseline = shmem_kib();

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace spbcast::detail {
@@ -123,9 +124,14 @@ inline receive_status receive_message(int sock, shm_message& m, std::vector<owne
     alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * max_batch_segments)] = {};
     msg.msg_control = control;
     msg.msg_controllen = sizeof control;
+    // A peer that closed while a message of this rank lay unread in its socket leaves
+    // ECONNRESET pending here, reported once, before the messages it had sent: they are still
+    // queued (a root that ends its path right after its broadcast returned, while a follower
+    // has yet to read that broadcast's segments), and the next read returns them.
     ssize_t n;
+    bool reset_reported = false;
     do n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
-    while (n < 0 && errno == EINTR);
+    while (n < 0 && (errno == EINTR || (errno == ECONNRESET && !std::exchange(reset_reported, true))));
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return receive_status::timed_out;
     std::vector<owned_fd> fds;
     for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
