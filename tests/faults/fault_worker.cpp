@@ -12,13 +12,24 @@
 //     inplace_min=131072  options.inplace_min_bytes (small: several payload slots)
 //     checksum=0          options.checksum
 //     interval_ms=0       pause between steps (netns: time to cut the link mid-run)
-//     fault_rank=-1 fault_step=0 fault_call=1 fault=kill|hang
+//     transport=automatic options.transport: automatic|network|shared_memory (this worker's
+//                         group wrapper is not a c10d group, so automatic means the network path;
+//                         shared_memory makes the same-host handshake, which watches the peers
+//                         on this host: peer_watch.hpp)
+//     fault_rank=-1 fault_step=0 fault_call=1 fault=kill|hang|stop
 //                         rank fault_rank, in step fault_step (1-based), just before handing its
 //                         fault_call-th message of that step to Gloo (1 = the frame; 2 = the
 //                         first payload slot for a small frame), waits until its earlier
-//                         messages of the step completed, then raises SIGKILL on itself (kill)
-//                         or stops calling spbcast for hang_ms and exits 5 (hang)
+//                         messages of the step completed, then raises SIGKILL on itself (kill),
+//                         stops calling spbcast for hang_ms and exits 5 (hang), or stops itself
+//                         with SIGSTOP, a child of its own sending it SIGKILL hang_ms later (stop)
 //     hang_ms=10000
+//     fork_child=0        1: after step 1, fork a child that holds the rank's descriptors and
+//                         lives on after it, as a DataLoader worker does (it checks every 5 s,
+//                         as torch's worker watchdog, whether its parent is gone)
+//     exit=now            now: leave with _Exit right after reporting a failure; clean: return
+//                         from main, destroying the Gloo group and the store (how soon the
+//                         survivor's process can end after its error)
 //
 //   spbcast_fault_worker replay=<file> type=tensors|ivalue|xtuner
 //                         replays a recording (support/frames.hpp: save_messages) into a
@@ -28,7 +39,9 @@
 //
 // Output, one line each: "rank R step S ok digest D ms T" per verified step; on failure
 // "SPBCAST_FAULT rank=R step=S type=T errc='E' phase='P' ms=T" then "SPBCAST_WHAT <message>" (new
-// lines shown as " | "), exit 3 (spbcast::error) or 4 (any other exception); 1 when a step
+// lines shown as " | ") and "SPBCAST_AT <steady clock ms>"; a fault injected here prints
+// "rank R step S FAULT <fault> before message C at <steady clock ms>" (CLOCK_MONOTONIC, shared by
+// the processes of a host), exit 3 (spbcast::error) or 4 (any other exception); 1 when a step
 // arrived different from the root's batch; "rank R done rss_mib M" and exit 0 otherwise.
 #include "support/frames.hpp"
 #include "support/set_up.hpp"
@@ -51,6 +64,11 @@
 #include <vector>
 
 namespace {
+
+long long steady_ms() {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
 
 struct settings {
     std::map<std::string, std::string> values;
@@ -86,8 +104,17 @@ public:
         if (armed_ && step_ == fault_step_ && call_ == fault_call_) {
             for (auto& w : earlier_) w->wait();  // what came before really left this rank
             std::cout << "rank " << getRank() << " step " << step_ << " FAULT " << fault_
-                      << " before message " << call_ << std::endl;
+                      << " before message " << call_ << " at " << steady_ms() << std::endl;
             if (fault_ == "kill") ::raise(SIGKILL);
+            if (fault_ == "stop") {
+                const pid_t self = ::getpid();
+                if (::fork() == 0) {  // ends the stopped rank, as a user would
+                    std::this_thread::sleep_for(std::chrono::milliseconds(hang_ms_));
+                    ::kill(self, SIGKILL);
+                    std::_Exit(0);
+                }
+                ::raise(SIGSTOP);
+            }
             std::this_thread::sleep_for(std::chrono::milliseconds(hang_ms_));
             std::cout << "rank " << getRank() << " hang over, exiting" << std::endl;
             std::_Exit(5);
@@ -164,6 +191,15 @@ int main(int argc, char** argv) {
     opts.checksum = s.num("checksum", 0) != 0;
     const auto interval = std::chrono::milliseconds(s.num("interval_ms", 0));
     const auto group_timeout = std::chrono::milliseconds(s.num("group_timeout_ms", 60000));
+    const std::string transport = s.get("transport", "automatic");
+    if (transport == "network") opts.transport = spbcast::transport_mode::network;
+    else if (transport == "shared_memory") opts.transport = spbcast::transport_mode::shared_memory;
+    else if (transport != "automatic") {
+        std::cerr << "spbcast_fault_worker: unknown transport '" << transport << "'\n";
+        return 2;
+    }
+    const bool fork_child = s.num("fork_child", 0) != 0;
+    const bool exit_clean = s.get("exit", "now") == "clean";
 
     int rank = -1;
     long long step = 0;
@@ -174,7 +210,7 @@ int main(int argc, char** argv) {
     // timeout its worker threads may still sit in the abandoned receive until the group's own
     // timeout (LibTorch 1.13's Gloo ignores the per-call timeout), and ~ProcessGroupGloo joins
     // them (see FAILURE_BEHAVIOUR.md).
-    auto report_and_exit = [&](const std::exception& e, long long ms) {
+    auto report = [&](const std::exception& e, long long ms) {
         std::string type = "other", errc, phase;
         if (auto* se = dynamic_cast<const spbcast::error*>(&e)) {
             type = "error";
@@ -188,9 +224,11 @@ int main(int argc, char** argv) {
         }
         std::cout << "SPBCAST_FAULT rank=" << rank << " step=" << step << " type=" << type
                   << " errc='" << errc << "' phase='" << phase << "' ms=" << ms
-                  << "\nSPBCAST_WHAT " << one_line(e.what()) << std::endl;
-        std::_Exit(type == "other" ? 4 : 3);
+                  << "\nSPBCAST_WHAT " << one_line(e.what()) << "\nSPBCAST_AT " << steady_ms() << std::endl;
+        return type == "other" ? 4 : 3;
     };
+    auto report_and_exit = [&](const std::exception& e, long long ms) { std::_Exit(report(e, ms)); };
+    int failed = 0;
     try {
         const auto env = spbcast::dist::launch_env::from_environment();
         rank = env.rank;
@@ -209,7 +247,9 @@ int main(int argc, char** argv) {
             try {
                 spbcast::broadcast(batch, group, opts);
             } catch (const std::exception& e) {
-                report_and_exit(e, ms_since(step_start));
+                if (!exit_clean) report_and_exit(e, ms_since(step_start));
+                failed = report(e, ms_since(step_start));
+                break;
             }
             const auto took = ms_since(step_start);
             const auto got = spbcast::digest(batch);
@@ -220,8 +260,16 @@ int main(int argc, char** argv) {
             }
             std::cout << "rank " << rank << " step " << step << " ok digest " << std::hex << got
                       << std::dec << " ms " << took << std::endl;
+            if (step == 1 && fork_child) {
+                const pid_t parent = ::getpid();
+                if (::fork() == 0) {
+                    while (::getppid() == parent) std::this_thread::sleep_for(std::chrono::seconds(5));
+                    std::_Exit(0);
+                }
+            }
             if (interval.count() > 0) std::this_thread::sleep_for(interval);
         }
+        if (failed) return failed;  // the group and the store are destroyed on the way out
         std::cout << "rank " << rank << " done rss_mib " << rss_mib() << std::endl;
         return 0;
     } catch (const std::exception& e) {

@@ -121,6 +121,7 @@ struct child {
     int status = 0;        // waitpid's, once done
     bool stopped = false;  // signalled by supervise(): past the deadline, or the job failed
     double seconds = 0;    // from the start of supervise() to the exit
+    long long ended_ms = 0;  // when the exit was seen, steady clock ms (within one poll, 20 ms)
 
     bool failed() const { return done && !(WIFEXITED(status) && WEXITSTATUS(status) == 0); }
     int exit_code() const { return WIFEXITED(status) ? WEXITSTATUS(status) : -1; }  // -1: a signal
@@ -168,6 +169,7 @@ inline supervision_result supervise(std::vector<child>& children, const supervis
                 c.done = true;
                 c.status = status;
                 c.seconds = std::chrono::duration<double>(clock::now() - start).count();
+                c.ended_ms = std::chrono::duration_cast<std::chrono::milliseconds>(clock::now().time_since_epoch()).count();
                 if (c.failed() && !c.stopped && out.first_failed < 0) out.first_failed = static_cast<int>(i);
             } else {
                 all_done = false;
@@ -200,6 +202,7 @@ struct process_result {
     int signal = 0;
     bool timed_out = false;
     double seconds = 0;
+    long long ended_ms = 0;  // when the exit was seen, steady clock ms (CLOCK_MONOTONIC: one host's processes share it)
     std::string output;  // stdout and stderr together
 };
 
@@ -235,6 +238,7 @@ std::vector<process_result> run_processes(const std::filesystem::path& program, 
         results[rank].signal = c.signal();
         results[rank].timed_out = c.stopped;
         results[rank].seconds = c.seconds;
+        results[rank].ended_ms = c.ended_ms;
         std::ifstream in(c.log);
         std::stringstream text;
         text << in.rdbuf();

@@ -9,7 +9,9 @@
 #include "../../group.hpp"
 #include "../../options.hpp"
 #include "../base/exception_text.hpp"
+#include "death_board.hpp"
 #include "group_state.hpp"
+#include "peer_watch.hpp"
 #include "quarantine.hpp"
 
 #include <ATen/ATen.h>
@@ -41,6 +43,13 @@ inline constexpr int point_to_point_tag = 0x5bca;
 // Extra time on top of options.timeout before we stop waiting ourselves: the backend is given
 // the same timeout and normally reports first, with its own, more precise message.
 inline constexpr std::chrono::milliseconds wait_grace{2000};
+
+// How long a failed collective waits for the kernel to tell which peer on this host died, if
+// one did: its sockets close during its exit, a moment before the exit is reported.
+inline constexpr std::chrono::milliseconds death_notice_wait{200};
+// How much longer it waits for a death on another host, told through the group's store
+// (death_board.hpp), after it waited death_notice_wait for one on its own.
+inline constexpr std::chrono::milliseconds board_extra_wait{100};
 
 template <class Group>
 class collective {
@@ -74,10 +83,11 @@ public:
     void launch(at::Tensor buffer, std::string phase, std::function<void()> on_done = {},
                 std::optional<std::chrono::milliseconds> timeout = std::nullopt) {
         while (pending_.size() >= std::max<std::size_t>(opts_.max_in_flight, 1)) finish_oldest();
+        raise_if_a_peer_died(phase);
         c10d::BroadcastOptions broadcast_options = broadcast_options_;
         if (timeout) broadcast_options.timeout = *timeout;
         pending p{{}, buffer, std::move(phase), std::move(on_done), {buffer},
-                  broadcast_options.timeout};
+                  broadcast_options.timeout, true};
         try {
             if constexpr (std::is_void_v<raw_work_type>)
                 group_.broadcast(p.tensors, broadcast_options);
@@ -98,7 +108,8 @@ public:
         if constexpr (point_to_point_group<Group>) {
             const std::size_t bound = in_flight != 0 ? in_flight : std::max<std::size_t>(opts_.max_in_flight, 1);
             while (pending_.size() >= bound) finish_oldest();
-            pending p{{}, buffer, std::move(phase), {}, {buffer}, opts_.timeout};
+            raise_if_a_peer_died(phase);
+            pending p{{}, buffer, std::move(phase), {}, {buffer}, opts_.timeout, false};
             try {
                 p.work = send ? group_.send(p.tensors, peer, point_to_point_tag)
                               : group_.recv(p.tensors, peer, point_to_point_tag);
@@ -165,12 +176,16 @@ private:
         std::function<void()> on_done;
         std::vector<at::Tensor> tensors;
         std::chrono::milliseconds timeout;
+        bool broadcast;  // a broadcast's work has a future (c10d's send and recv works do not)
     };
 
     void finish_oldest() {
         pending& p = pending_.front();
         try {
+            if (p.broadcast) wait_unless_a_peer_dies(p.work, p.timeout, p.phase);
             wait(p.work, p.timeout);
+        } catch (const transport_error&) {
+            throw;
         } catch (const std::exception& e) {
             fail(p.phase, exception_text(e), p.timeout);
         }
@@ -183,6 +198,52 @@ private:
         } catch (...) {
             if (!callback_failure_) callback_failure_ = std::current_exception();
         }
+    }
+
+    // With peers on this host watched, a broadcast is waited for until it completes or one of
+    // them fails (peer_watch.hpp: killed by a signal, or exited with a status other than 0): the
+    // death ends the wait at once, even while the dead
+    // process's children keep its sockets open and the backend waits on. Returns when the
+    // work completed (the backend's own wait then reports how); throws at the deadline, which is
+    // the backend's wait's own.
+    void wait_unless_a_peer_dies(work_type& work, std::chrono::milliseconds timeout, const std::string& phase) {
+        if constexpr (requires { work->getFuture()->completed(); }) {
+            if (state_.peers.empty()) return;
+            decltype(work->getFuture()) future;
+            try {
+                future = work->getFuture();
+            } catch (const std::exception&) {
+                return;  // a backend without futures: its own wait alone
+            }
+            if (!future) return;
+            if (!future->completed()) {
+                auto& watch = peer_watch::instance();
+                future->addCallback([&watch](auto&) { watch.notify(); });
+                const auto deadline = std::chrono::steady_clock::now() + timeout + wait_grace;
+                const std::string death =
+                    watch.wait(state_.peers, deadline, [&future] { return future->completed(); });
+                if (future->completed()) return;
+                if (!death.empty()) peer_died(phase, death);
+                // The deadline passed: the backend's wait would wait as long again.
+                throw std::runtime_error("timed out waiting for the backend");
+            }
+        } else {
+            (void)work, (void)timeout, (void)phase;
+        }
+    }
+
+    // A broadcast is not started on a group one of whose peers on this host has died: the
+    // collective could never complete.
+    void raise_if_a_peer_died(const std::string& phase) {
+        if (const std::string death = peer_watch::instance().death_among(state_.peers); !death.empty())
+            peer_died(phase, death);
+    }
+
+    [[noreturn]] void peer_died(const std::string& phase, const std::string& death) {
+        break_group(errc::transport,
+                    where() + " failed in phase '" + phase + "': " + death +
+                        "\nThe group is unusable now - restart the job.",
+                    phase);
     }
 
     void wait(work_type& work, std::chrono::milliseconds timeout) {
@@ -200,6 +261,19 @@ private:
                            std::chrono::milliseconds timeout) {
         const bool timed_out = what.find("imed out") != std::string::npos ||
                                what.find("imeout") != std::string::npos;
+        // The backend saw the peer's sockets close: the kernel tells its death a moment later,
+        // on this host, or a rank of its host writes it on the group's board for the others.
+        // Not after a timeout: a peer that gave up at the same moment and left is no cause.
+        if (!timed_out && !state_.peers.empty()) {
+            const std::string death = peer_watch::instance().wait(
+                state_.peers, std::chrono::steady_clock::now() + death_notice_wait, [] { return false; },
+                peer_watch::any_exit);
+            if (!death.empty()) peer_died(phase, death + " (" + what + ")");
+        }
+        if (!timed_out && state_.board) {
+            const std::string death = state_.board->read(state_.peers.empty() ? death_notice_wait : board_extra_wait);
+            if (!death.empty()) peer_died(phase, death + ", as its host's ranks tell (" + what + ")");
+        }
         break_group(timed_out ? errc::timeout : errc::transport,
                     where() + " failed in phase '" + phase + "' (" +
                         (timed_out ? std::string("timed out after ") +

@@ -21,10 +21,14 @@
 
 namespace spbcast::detail {
 
+class death_board;
+
 struct group_state {
     std::uint64_t broadcasts = 0;  // calls that issued collectives on this group, on this rank
     std::optional<errc> broken;    // set when this rank left the group out of step
     std::string broken_cause;
+    std::vector<int> peers;        // process ids of the ranks on this host, watched (peer_watch.hpp)
+    std::shared_ptr<death_board> board;  // where other hosts tell a death (death_board.hpp), or null
 };
 
 // Entries are keyed by the group object's address. For c10d groups (intrusive_ptr targets)

@@ -16,12 +16,14 @@
 #include "../../error.hpp"
 #include "../../options.hpp"
 #include "collective.hpp"
+#include "death_board.hpp"
 #include "descriptor_socket.hpp"
 #include "fork_safety.hpp"
 #include "../wire/frame.hpp"
 #include "follower_links.hpp"
 #include "group_state.hpp"
 #include "host_identity.hpp"
+#include "peer_watch.hpp"
 #include "same_host_registry.hpp"
 #include "shm_segment.hpp"
 
@@ -37,6 +39,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <random>
@@ -74,7 +77,7 @@ struct handshake_answer {
     host_identity host;
     char name[64] = {};          // a host leader's abstract socket name
 };
-static_assert(sizeof(handshake_answer) == 248);
+static_assert(sizeof(handshake_answer) == 320);
 
 inline const char* transport_name(transport_mode m) {
     switch (m) {
@@ -335,6 +338,26 @@ inline std::vector<relay_host> hosts_of(const handshake_offer& offer, const std:
     return hosts;
 }
 
+// Every rank of the group on this host is watched from now on (peer_watch.hpp): its death
+// wakes this rank's waits on the group at once, and its messages name it; this rank then
+// writes the name on the group's death board for the ranks of other hosts (death_board.hpp).
+inline void watch_peers_on_this_host(const handshake_offer& offer, const std::vector<handshake_answer>& answers,
+                                     int root, int rank, const host_identity& me, group_state& gstate) {
+    if (!me.known() || !peer_watch::available()) return;
+    for (int r = 0; r < static_cast<int>(answers.size()); ++r) {
+        const host_identity& id = r == root ? offer.host : answers[static_cast<std::size_t>(r)].host;
+        if (r == rank || !(id == me) || id.pid <= 0 || id.pid == me.pid) continue;
+        if (std::find(gstate.peers.begin(), gstate.peers.end(), id.pid) != gstate.peers.end()) continue;
+        std::function<void(const std::string&)> tell_other_hosts;
+        if (gstate.board)
+            tell_other_hosts = [board = gstate.board, who = describe_peer(r, id)](const std::string& how) {
+                board->post(who + " " + how);
+            };
+        if (peer_watch::instance().watch(id.pid, describe_peer(r, id), std::move(tell_other_hosts)))
+            gstate.peers.push_back(id.pid);
+    }
+}
+
 // The same-host decision of one (group, root), taken by every rank together from the same data
 // in a fixed sequence of broadcasts: the root's offer; each follower's answer (connected or why
 // not, its options.transport and its host); then the decision - the root's confirmation once it
@@ -451,6 +474,8 @@ std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options
         }
     }
     listener.reset();  // the name disappears; nobody else can connect
+    if (!gstate.board) gstate.board = death_board::of(group);
+    watch_peers_on_this_host(*offer, answers, root, rank, me, gstate);
     // Across hosts the relay runs even where every rank is alone on its host (each gets the
     // payload into memory of its own); on one host the path needs a follower that maps.
     state->shared = spans_hosts || std::any_of(decided.begin(), decided.end(),
