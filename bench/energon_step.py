@@ -41,8 +41,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from step_overhead import (USAGE_HEADER, USAGE_NOTE, MiB, checksum, loadavg, machine, machine_line, spawn_ranks, usage,
-                           next_ms_mean, slowest_step_times, usage_by_role, usage_cells, write_results)
+from step_overhead import (USAGE_HEADER, USAGE_NOTE, MiB, checksum, loader_fields, loadavg, machine, machine_line,
+                           spawn_ranks, usage, next_ms_mean, slowest_step_times, usage_by_role, usage_cells,
+                           write_results)
 
 WORLD = 4
 SETTINGS = {"tp2": {"name": "TP2 x DP2", "tp": 2}, "tp4": {"name": "TP4", "tp": 4}}
@@ -119,7 +120,7 @@ def run_arm(arm, cfg, data, tp, tp_group, dp_group, rank):
     return {"arm": arm["name"], "rank": rank, "leader": rank % tp == 0, "steps": steps,
             "mismatches": mismatches, "mib": after["mib"],
             "cpu_s_per_step": (after["cpu_s"] - before["cpu_s"]) / cfg["steps"],
-            "prefetch": stats["prefetch"] if stats else None, "path": stats["path"] if stats else "local"}
+            **loader_fields(stats)}
 
 
 def rank_main(rank, world, init_file, cfg, setting, data, out_dir):

@@ -420,6 +420,12 @@ def usage_cells(row):
             f"| {row['leader_cpu_s']:.3f} | {row['follower_cpu_s']:.3f} ")
 
 
+def loader_fields(stats):
+    """A record's prefetch depth and path, from a drop-in's stats(): None and "local" where the
+    loader is the trainer's own (BASE)."""
+    return {"prefetch": stats["prefetch"] if stats else None, "path": stats["path"] if stats else "local"}
+
+
 # ---- a trainer's own loop (swift_step.py, verl_step.py) -----------------------------------------
 
 def add_trainer_options(parser, name):

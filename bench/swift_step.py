@@ -34,8 +34,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from step_overhead import (MiB, add_trainer_options, checksum, trainer_config, trainer_markdown, trainer_run,
-                           trainer_step)
+from step_overhead import (MiB, add_trainer_options, checksum, loader_fields, trainer_config, trainer_markdown,
+                           trainer_run, trainer_step)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(HERE, "..", "python", "tests")
@@ -69,7 +69,7 @@ def run_arm(arm, cfg, data, rank):
                 break
             last = asked = end
         stats = spbcast.swift.stats(loader)
-        record.update(prefetch=stats["prefetch"] if stats else None, path=stats["path"] if stats else "local")
+        record.update(loader_fields(stats))
 
     if arm["dedup"]:
         spbcast.swift.enable()

@@ -31,7 +31,8 @@ import time
 
 import torch.distributed as dist
 
-from step_overhead import add_trainer_options, trainer_config, trainer_markdown, trainer_run, trainer_step
+from step_overhead import (add_trainer_options, loader_fields, trainer_config, trainer_markdown, trainer_run,
+                           trainer_step)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(HERE, "..", "python", "tests")
@@ -69,7 +70,7 @@ def run_arm(arm, cfg, data, rank):
     dist.barrier()
     trainer.fit()
     stats = spbcast.verl.stats(trainer.train_dataloader)
-    record.update(prefetch=stats["prefetch"] if stats else None, path=stats["path"] if stats else "local")
+    record.update(loader_fields(stats))
     return record
 
 
