@@ -7,6 +7,7 @@ import logging
 import torch
 
 from .._wire import torch_nested
+from .._wire.kind_tensordict import from_tensordict
 
 
 class Stats:
@@ -75,7 +76,7 @@ def _tensor_bytes(value, seen=None):
         return sum(_tensor_bytes(v, seen) for v in value.values())
     if isinstance(value, (list, tuple)):
         return sum(_tensor_bytes(v, seen) for v in value)
-    if type(value).__module__.split(".")[0] == "tensordict":  # TensorDict, NonTensorData, ...
+    if from_tensordict(type(value)):
         values = getattr(value, "values", None)
         return sum(_tensor_bytes(v, seen) for v in values()) if callable(values) else 0
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

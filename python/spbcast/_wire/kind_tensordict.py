@@ -33,7 +33,8 @@ from .kind_traits import TAG_NON_TENSOR_DATA, TAG_NON_TENSOR_STACK, TAG_TENSORDI
 _MAX_DIMS = 64
 
 
-def _from_tensordict(cls):
+def from_tensordict(cls):
+    """Whether `cls` is one of tensordict's classes (TensorDict, NonTensorData, ...)."""
     return cls.__module__.split(".")[0] == "tensordict" and "tensordict" in sys.modules
 
 
@@ -80,7 +81,7 @@ class _TensorDictValue(Kind):
     holds_values = True
 
     def claims(self, cls, value):
-        return _from_tensordict(cls) and cls is getattr(sys.modules["tensordict"], self.name, None)
+        return from_tensordict(cls) and cls is getattr(sys.modules["tensordict"], self.name, None)
 
 
 class TensorDict(_TensorDictValue):
@@ -195,7 +196,7 @@ class TensorDictOther(Kind):
     """Every other class of tensordict, and tensorclasses: refused, with what to send instead."""
 
     def claims(self, cls, value):
-        return _from_tensordict(cls) or _is_tensorclass(cls)
+        return from_tensordict(cls) or _is_tensorclass(cls)
 
     def check(self, encoder, cls, value, path):
         what = f"{cls.__module__}.{cls.__qualname__}"
