@@ -24,11 +24,8 @@ REFERENCE_VENV="$(environment_dir reference)"
 export CCACHE_BASEDIR="$PWD"
 JOBS="${SPBCAST_JOBS:-2}"
 # Each step's line says how long the run has taken so far (.ci/run passes its own start on).
-export SPBCAST_CLOCK_START="${SPBCAST_CLOCK_START:-$(date +%s)}"
-step() {
-    local s=$(($(date +%s) - SPBCAST_CLOCK_START))
-    printf '=== [%d:%02d] spbcast: %s\n' $((s / 60)) $((s % 60)) "$*"
-}
+STEP_LABEL=spbcast
+source scripts/step.sh
 
 build() {
     local torch_dir
