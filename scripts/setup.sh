@@ -119,7 +119,7 @@ make_environment() {
     exec {lock}> "$dir.lock"
     flock "$lock"
     stamp="$dir/.spbcast-environment"
-    wanted_stamp="$PYTHON compiled $(cat scripts/envs/test-tools.txt "$requirements" "$([ -f "$no_deps" ] && echo "$no_deps" || echo /dev/null)" | sha256sum | cut -c1-16)"
+    wanted_stamp="$PYTHON $(cat scripts/envs/test-tools.txt "$requirements" "$([ -f "$no_deps" ] && echo "$no_deps" || echo /dev/null)" | sha256sum | cut -c1-16)"
     if [ -x "$dir/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted_stamp" ]; then
         echo "setup: environment $name up to date in $dir"
     else
@@ -159,7 +159,7 @@ make_xtuner_overlay() {
     fi
     [ -f "$wheel" ] || { echo "setup: SPBCAST_XTUNER_WHEEL=$wheel is not a file"; exit 1; }
     stamp="$overlay/.spbcast-xtuner-wheel"
-    wanted_stamp="$(sha256sum "$wheel" | cut -d' ' -f1) compiled ${XTUNER_DEPENDENCIES[*]}"
+    wanted_stamp="$(sha256sum "$wheel" | cut -d' ' -f1) ${XTUNER_DEPENDENCIES[*]}"
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted_stamp" ]; then
         echo "setup: XTuner v1 ($(basename "$wheel")) present in $overlay"
         return
