@@ -4,7 +4,7 @@ at a chosen point. Every other rank records, in its own clock (CLOCK_MONOTONIC, 
 every process of the host), when spbcast raised and what, into <out>/rank<r>.json; the rank
 that ends writes when it sent the signal to <out>/victim.json first.
 
-    python peer_death_ranks.py RANK WORLD STORE_FILE OUT_DIR CASE WORKERS
+    python peer_death_ranks.py RANK WORLD OUT_DIR CASE WORKERS
 CASE: leader-fetch | leader-broadcast | leader-between | follower-between | leader-stopped |
       hosts-leader-between (as leader-between; the test runs 4 ranks in two network
       namespaces, 2 a "host") |
@@ -13,6 +13,9 @@ CASE: leader-fetch | leader-broadcast | leader-between | follower-between | lead
       end of optimizer step 2; the other ranks record what they raised, spbcast's or the
       backend's: ranks 2 and 3 fail in the gradients' all-reduce, not in spbcast)
 WORKERS: 0 | 2 | 2p (persistent)
+
+The drop-ins' kill tests (energon_ranks.py, swift_ranks.py, xtuner_trainer.py) end their victim
+and record their survivors with this module's ``end_myself`` and ``survive``.
 """
 
 import datetime
@@ -54,7 +57,7 @@ def _write(path, record):
     os.replace(path + ".tmp", path)
 
 
-def _end_myself(out, sig, when=0.0):
+def end_myself(out, sig, when=0.0):
     """Records the moment and sends ``sig`` to this process (after ``when`` seconds, from a
     thread, so the process is caught in whatever it does then)."""
     def go():
@@ -68,21 +71,20 @@ def _end_myself(out, sig, when=0.0):
         go()
 
 
-def trainer(rank, world, store_file, out, workers):
+def trainer(rank, world, out, workers):
     """The trainer-leader case: the drop-in inside its real loop."""
     import accelerate_ranks as ar  # imports spbcast.accelerate
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     ar._environment(rank)
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    join_group(rank, world, out)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
 
     class Kill(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if rank == 0 and state.global_step == 2:
-                _end_myself(out, signal.SIGKILL)
+                end_myself(out, signal.SIGKILL)
 
     args = TrainingArguments(output_dir=os.path.join(out, f"trainer{rank}"), per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, num_train_epochs=2, save_strategy="no",
@@ -91,27 +93,18 @@ def trainer(rank, world, store_file, out, workers):
     t = Trainer(model=ar.tiny_llama(), args=args, train_dataset=ar.Samples(ar.TRAINER_SAMPLES), callbacks=[Kill()])
     t.accelerator.state.device_mesh = mesh
     spbcast.accelerate.enable(t.accelerator)
-    record = {"rank": rank, "pid": os.getpid()}
-    try:
-        t.train()
-        record["error"] = None
-    except Exception as e:  # noqa: BLE001 - ranks 2 and 3 fail in the backend, not in spbcast
-        record.update(error=str(e), type=type(e).__name__, code=getattr(e, "code", None), at=time.monotonic())
-    dist.destroy_process_group()
-    record["children"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(p) == os.getpid())
-    _write(os.path.join(out, f"rank{rank}.json"), record)
-    os._exit(0)
+    # Ranks 2 and 3 fail in the backend, not in spbcast.
+    survive(out, rank, t.train, dist.destroy_process_group)
 
 
 def main():
-    rank, world, store_file, out, case, workers = sys.argv[1:7]
+    rank, world, out, case, workers = sys.argv[1:6]
     rank, world = int(rank), int(world)
     os.environ["RANK"] = str(rank)
     if case == "trainer-leader":
-        return trainer(rank, world, store_file, out, workers)
+        return trainer(rank, world, out, workers)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    join_group(rank, world, out)
     num_workers = 0 if workers == "0" else 2
     big = case == "leader-broadcast"
     delay = 0.4 if case == "leader-fetch" else 0.01
@@ -124,31 +117,46 @@ def main():
     root_wait = ROOT_WAIT if case == "leader-stopped" else None
     ll = spbcast.LeaderLoader(make, None, sp_media_dedup=True, total_epoch=4, timeout=2,
                               root_wait=root_wait, prefetch=1)
-    started = time.monotonic()
-    record = {"rank": rank, "pid": os.getpid()}
-    try:
+
+    def loop():
         for step, batch in enumerate(ll):
             if rank == victim and step == STOP_STEP:
                 if case == "leader-fetch":
-                    _end_myself(out, signal.SIGKILL, when=0.2)  # the next fetch takes 0.8 s
+                    end_myself(out, signal.SIGKILL, when=0.2)  # the next fetch takes 0.8 s
                 elif case == "leader-broadcast":
-                    _end_myself(out, signal.SIGKILL, when=0.05)  # 16 MiB batches in flight
+                    end_myself(out, signal.SIGKILL, when=0.05)  # 16 MiB batches in flight
                 elif case == "leader-stopped":
-                    _end_myself(out, signal.SIGSTOP)
+                    end_myself(out, signal.SIGSTOP)
                 else:
-                    _end_myself(out, signal.SIGKILL)
+                    end_myself(out, signal.SIGKILL)
             time.sleep(0.02)  # the trainer's step
-        record["error"] = None
-    except spbcast.Error as e:
-        record.update(error=str(e), type=type(e).__name__, code=e.code, at=time.monotonic())
-    record["started"] = started
-    # What a trainer does after the error: close the loader and destroy the process group - which
-    # joins the backend's threads, so a thread still waiting on the dead peer would show here -
-    # then leave (os._exit: the interpreter's own teardown of torch is no part of this).
-    ll.close()
-    dist.destroy_process_group()
+
+    def close():
+        ll.close()
+        dist.destroy_process_group()
+
+    survive(out, rank, loop, close)
+
+
+def join_group(rank, world, out):
+    """The default process group of a job whose ranks meet in ``out`` (a file store)."""
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+
+
+def survive(out, rank, body, close):
+    """Runs a surviving rank's loop ``body`` and records what it raised and when into
+    <out>/rank<r>.json - after ``close`` (what a trainer does after the error: close the loader,
+    destroy the process group, which joins the backend's threads, so a thread still waiting on
+    the dead peer would show here) - then leaves (os._exit: the interpreter's own teardown of
+    torch is no part of this)."""
+    record = {"rank": rank, "pid": os.getpid(), "error": None}
+    try:
+        body()
+    except Exception as e:  # noqa: BLE001 - the test judges what it was (spbcast's, or the backend's)
+        record.update(error=str(e), type=type(e).__name__, code=getattr(e, "code", None), at=time.monotonic())
+    close()
     record["children"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(p) == os.getpid())
-    record["exiting"] = time.monotonic()
     _write(os.path.join(out, f"rank{rank}.json"), record)
     os._exit(0)
 

@@ -27,8 +27,8 @@ def _run(case, workers, world=WORLD, hosts=None):
     env = dict(os.environ, PYTHONPATH=peer_death.HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
     def start(r, out):
-        cmd = [sys.executable, os.path.join(peer_death.HERE, "peer_death_ranks.py"), str(r), str(world),
-               os.path.join(out, "store"), out, case, workers]
+        cmd = [sys.executable, os.path.join(peer_death.HERE, "peer_death_ranks.py"), str(r), str(world), out,
+               case, workers]
         if not hosts:
             return subprocess.Popen(cmd, env=env, start_new_session=True)
         ns, dev = hosts[r // 2]
