@@ -9,14 +9,16 @@ loader - Energon's own (BASE) or ``spbcast.energon.get_savable_loader(..., group
 states after step SAVE_AT, how many samples this rank's task encoder encoded, or the exception a
 rank raised. ``launch`` forks the ranks of one job from the test's process, which imported torch
 and Energon once (spawned ranks would import them again, seconds each on 2 cores), and returns
-their records.
+their records. ``leader_dies`` is one rank of test_energon.py's kill test.
 """
 
 import dataclasses
 import gc
 import io
 import os
+import signal
 import tarfile
+import time
 
 import numpy as np
 import torch
@@ -27,6 +29,7 @@ from megatron.energon.tools.prepare import command as energon_prepare
 from PIL import Image
 
 import dist_harness
+import peer_death_ranks
 import spbcast.energon
 
 DP, TP = 2, 2
@@ -217,3 +220,27 @@ def launch(root, tag, arms, timeout=120):
     dist_harness.run(WORLD, run_arms, root, tag, arms, timeout=timeout, start_method="fork")
     return [torch.load(os.path.join(root, f"result-{tag}-rank{r}.pt"), weights_only=False)
             for r in range(WORLD)]
+
+
+def leader_dies(root, workers, rank, out):
+    """One rank of a job whose TP leader rank 0 SIGKILLs itself between steps, in Energon's loop
+    under dedup with ``workers`` Energon workers (forked by peer_death.fork): each survivor
+    records what it raised (peer_death_ranks.survive) - its follower rank 1 spbcast's error
+    naming it; the other TP pair runs its steps to the end."""
+    os.environ["RANK"] = str(rank)  # the launcher's global rank, which the error names
+    torch.set_num_threads(1)
+    peer_death_ranks.join_group(rank, WORLD, out)
+    tp_group, dp_group = _groups(rank)
+    loader = _loader(Arm(f"dies-{workers}", True, workers=workers), root, rank, tp_group, dp_group)
+
+    def loop():
+        for step, _ in zip(range(8), loader):
+            if rank == 0 and step == 3:
+                peer_death_ranks.end_myself(out, signal.SIGKILL)
+            time.sleep(0.02)  # the trainer's step
+
+    def close():
+        loader.close()
+        dist.destroy_process_group()
+
+    peer_death_ranks.survive(out, rank, loop, close)

@@ -12,17 +12,20 @@ encode; dedup followers may pass no dataset at all. Energon's states saved after
 (``save_state_rank``, ``save_state_global``) resume in new processes - dedup from dedup's (each
 rank what it saved: None on followers), BASE from dedup's and dedup from BASE's (every rank the
 state its DP rank's first rank saved, as Megatron-Bridge does), and through
-``restore_state_global`` - to the continuous run's batches. A batch holding a class nobody allowed (a user's, or one of Energon's that is no batch
+``restore_state_global`` - to the continuous run's batches. A TP leader killed in Energon's loop
+is named by its follower within a second (peer_death.py). A batch holding a class nobody allowed (a user's, or one of Energon's that is no batch
 class) is refused on every rank, as is a state Energon cannot restore and a group that is the DP
 group. Skipped, saying why, where megatron.energon is not importable."""
 
 import dataclasses
+import functools
 import importlib.util
 import os
 
 import pytest
 import torch
 
+import peer_death
 from batches import assert_same
 
 
@@ -73,10 +76,17 @@ def no_errors(run, what):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def dataset_root(tmp_path_factory):
+    """A directory holding the prepared dataset, in data/."""
     root = str(tmp_path_factory.mktemp("energon"))
     os.makedirs(os.path.join(root, "data"))
     er.write_dataset(os.path.join(root, "data"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(dataset_root):
+    root = dataset_root
     Arm = er.Arm
     continuous = [Arm("base2", False), Arm("dedup2", True), Arm("base0", False, workers=0),
                   Arm("dedup0", True, workers=0, followers_build=False),
@@ -191,3 +201,18 @@ def test_group_that_is_not_one_data_index(runs):
     for error in errors(runs["wrong_group"], "wrong_group"):
         assert error["code"] == "invalid_argument", error
         assert "not the data-parallel group" in error["message"], error["message"]
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+def test_a_dead_tp_leader_is_named_within_a_second(dataset_root, workers):
+    """The TP leader rank 0 SIGKILLs itself between steps of Energon's loop (dedup, 2 Energon
+    workers, which would keep its sockets, or none): its follower rank 1 raises spbcast's error
+    naming it within 1 s and exits within 1 s; the other TP pair (ranks 2, 3) finishes its
+    steps; nothing of the job is left (docs/errors.md)."""
+    victim, records, ended, ranks = peer_death.fork(functools.partial(er.leader_dies, dataset_root, workers),
+                                                    er.WORLD)
+    assert victim["pid"] == ranks[0].pid
+    peer_death.assert_named(1, records[1], ended, victim, 0, f"Energon, {workers} workers")
+    for r in (2, 3):
+        assert records[r]["error"] is None, f"rank {r}, of the other TP group: {records[r]['error']}"
+    assert all(code == 0 for _, code in ended.values()), ended
