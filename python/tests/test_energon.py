@@ -12,10 +12,11 @@ encode; dedup followers may pass no dataset at all. Energon's states saved after
 (``save_state_rank``, ``save_state_global``) resume in new processes - dedup from dedup's (each
 rank what it saved: None on followers), BASE from dedup's and dedup from BASE's (every rank the
 state its DP rank's first rank saved, as Megatron-Bridge does), and through
-``restore_state_global`` - to the continuous run's batches. A TP leader killed in Energon's loop
-is named by its follower within a second (peer_death.py). A batch holding a class nobody allowed (a user's, or one of Energon's that is no batch
-class) is refused on every rank, as is a state Energon cannot restore and a group that is the DP
-group. Skipped, saying why, where megatron.energon is not importable."""
+``restore_state_global`` - to the continuous run's batches. A batch holding a class nobody
+allowed (a user's, or one of Energon's that is no batch class) is refused on every rank, as is a
+state Energon cannot restore and a group that is the DP group. A TP leader killed in Energon's
+loop is named by its follower within a second (peer_death.py). Skipped, saying why, where
+megatron.energon is not importable."""
 
 import dataclasses
 import functools
