@@ -18,6 +18,8 @@ processor, built in code.
 import hashlib
 import json
 import os
+import signal
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MODELSCOPE_OFFLINE", "1")
@@ -38,6 +40,7 @@ import tiny_qwen  # noqa: E402
 tiny_qwen.bare_torchvision()  # after transformers and datasets looked for torchvision
 
 import dist_harness  # noqa: E402
+import peer_death_ranks  # noqa: E402
 from calls_counted import CallCounter  # noqa: E402
 import spbcast  # noqa: E402
 import spbcast.swift  # noqa: E402
@@ -224,3 +227,40 @@ def run_arms(root, tag, arms, timeout=170):
     returns {arm name: [record per rank]}."""
     prepare(root)
     return dist_harness.run_arms(WORLD, _run_arm, root, tag, arms, timeout=timeout, prepare=_environment)
+
+
+def leader_dies(root, workers, rank, out):
+    """One rank of test_swift.py's kill test (forked by peer_death.fork): ms-swift's SP training
+    under ``spbcast.swift.enable()`` whose SP leader rank 0 SIGKILLs itself 0.1 s after optimizer
+    step 2, while it waits for its next batch. The leader's samples take ENCODE_SECONDS each to
+    encode, longer than a step, so its SP follower waits in the loader too, where spbcast is the
+    one to see the death (killed in the middle of the model's own all-to-all, the follower
+    would get the backend's error first). Each survivor records what it raised
+    (peer_death_ranks.survive)."""
+    _environment(rank)
+    peer_death_ranks.join_group(rank, WORLD, out)
+    encode = swift.dataset.utils.LazyLLMDataset.__getitem__
+
+    def slow_encode(dataset, index):
+        time.sleep(ENCODE_SECONDS)
+        return encode(dataset, index)
+
+    swift.dataset.utils.LazyLLMDataset.__getitem__ = slow_encode
+
+    class Kill(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if rank == 0 and state.global_step == 2:
+                peer_death_ranks.end_myself(out, signal.SIGKILL, when=0.2)
+
+    def train(trainer):
+        trainer.add_callback(Kill())
+        peer_death_ranks.survive(out, rank, lambda: trainer.train(), torch.distributed.destroy_process_group)
+
+    spbcast.swift.enable()
+    pipeline = SwiftSft(sft_arguments(Arm("dies", True, kind="train", workers=workers, max_steps=6,
+                                          save_steps=100), root))
+    pipeline.train = train
+    pipeline.main()
+
+
+ENCODE_SECONDS = 3.0

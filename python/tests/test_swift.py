@@ -12,7 +12,8 @@ bit for bit, len(), its default CPU generator after each pass - with 0 and 2 Dat
 ``trainer.train()`` through ms-swift's SP trainer (Ulysses over SDPA, on CPU): every rank's inputs
 per step, losses, final parameters and generator; the checkpoint's files; resumed from the
 mid-run checkpoint in new processes, BASE and dedup checkpoints either way; with 0 and 2 workers. Refusals are one clear
-error on every rank.
+error on every rank. An SP leader killed in training is named by its follower within a second
+(peer_death.py).
 
 The ranks are forked from this process, which imports ms-swift once (swift_ranks.py)."""
 
@@ -203,3 +204,24 @@ def test_megatron_swift_refused():
             "try:\n    spbcast.swift.enable()\nexcept spbcast.Error as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.startswith("spbcast: rank 0 (spbcast.swift): Megatron-SWIFT"), out
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+def test_a_dead_sp_leader_is_named_within_a_second(tmp_path, workers):
+    """ms-swift's SP training under spbcast.swift.enable(), 2 DataLoader workers (which would keep
+    the leader's sockets) or none: the SP leader rank 0 is SIGKILLed while it waits for its next
+    batch. Its follower rank 1 raises spbcast's error naming it within 1 s and exits within 1 s;
+    ranks 2 and 3 (the other SP pair) fail in the gradients' all-reduce, the backend's error -
+    they only have to end; nothing of the job is left (docs/errors.md)."""
+    import functools
+
+    import peer_death
+    import swift_ranks as sr
+
+    sr.prepare(str(tmp_path))
+    victim, records, ended, ranks = peer_death.fork(functools.partial(sr.leader_dies, str(tmp_path), workers),
+                                                    sr.WORLD)
+    assert victim["pid"] == ranks[0].pid
+    peer_death.assert_named(1, records[1], ended, victim, 0, f"ms-swift, {workers} workers")
+    for r in (2, 3):
+        assert records[r]["error"] is not None, f"rank {r} finished training without its DP peer"
