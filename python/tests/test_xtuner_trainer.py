@@ -283,3 +283,24 @@ def test_switch_needs_a_cpu_backend(tmp_path):
 
     for message in xt.fork_ranks(str(tmp_path), "cuda-only", check, backend="cuda:gloo"):
         assert 'dist_backend="cpu:gloo,cuda:nccl"' in message, message
+
+
+def test_a_dead_sp_leader_is_named_within_a_second(tmp_path):
+    """XTuner's fit() under the switch with 2 persistent loader workers (which would keep the
+    leader's sockets): the SP leader rank 0 is SIGKILLed while it waits for its next batch. Its
+    follower rank 1 raises spbcast's error naming it within 1 s and exits within 1 s; ranks 2 and
+    3 (the other SP pair) fail in the model's collectives, the backend's error - they only have
+    to end; nothing of the job is left (docs/errors.md)."""
+    import functools
+
+    import peer_death
+    import xtuner_trainer as xt
+
+    root = str(tmp_path)
+    tokenizer_dir, data = xt.write_inputs(root)
+    victim, records, ended, ranks = peer_death.fork(
+        functools.partial(xt.leader_dies, root, tokenizer_dir, data, 2), xt.WORLD)
+    assert victim["pid"] == ranks[0].pid
+    peer_death.assert_named(1, records[1], ended, victim, 0, "XTuner, 2 workers")
+    for r in (2, 3):
+        assert records[r]["error"] is not None, f"rank {r} finished training without its peers"

@@ -6,6 +6,7 @@ arms (trainers, one after the other) in each rank. Each rank records, per step: 
 after the SP split, the loss, the grad norm and ``torch.get_rng_state()`` after the data fetch
 and after the optimizer step; and after ``fit()`` its shards of the parameters and how often it
 created a DataLoader iterator. ``launch`` returns the records of every arm and rank.
+``leader_dies`` is one rank of test_xtuner_trainer.py's kill test.
 
 XTuner itself is unchanged. The shims below only make it run on a CPU-only torch; each says
 which XTuner call needs it. The model is XTuner's dense Qwen3 shrunk to one layer of hidden
@@ -16,6 +17,7 @@ on a CPU mesh.
 import dataclasses
 import datetime
 import glob
+import itertools
 import os
 import signal
 import sys
@@ -56,6 +58,7 @@ from xtuner.v1.model.dense.qwen3 import Qwen3DenseConfig  # noqa: E402
 from xtuner.v1.module.attention import MHAConfig  # noqa: E402
 from xtuner.v1.train.trainer import LoadCheckpointConfig, Trainer  # noqa: E402
 
+import peer_death_ranks  # noqa: E402
 import spbcast  # noqa: E402
 import spbcast.xtuner  # noqa: E402
 
@@ -110,6 +113,7 @@ class Arm:
     extra_draw: int | None = None
     hand_wired: bool = False  # dedup wired by hand, as before the switch (its checkpoints)
     pack_max_length: int = 64  # another than the checkpoint's: a data config it does not fit
+    checkpoint_interval: int | None = 1
 
 
 class HandWiredDataloaderConfig(xp.DataloaderConfig):
@@ -175,7 +179,8 @@ def make_trainer(arm, root, tokenizer_dir, data):
         dataloader_cfg=loader_cfg, lr_cfg=LRConfig(lr_type="constant", warmup_ratio=0),
         tokenizer_path=tokenizer_dir, global_batch_size=DP, sp_size=SP, total_epoch=2,
         work_dir=work, seed=SEED, backend="gloo", exp_tracker="jsonl",
-        checkpoint_interval=1 if arm.resume is None else None, load_checkpoint_cfg=load)
+        checkpoint_interval=arm.checkpoint_interval if arm.resume is None else None,
+        load_checkpoint_cfg=load)
 
 
 def _train(arm, root, tokenizer_dir, data, rank):
@@ -233,12 +238,16 @@ def _train(arm, root, tokenizer_dir, data, rank):
     return record
 
 
-def _rank_main(rank, tag, root, fn, backend):
+def _rank_environment(rank):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(WORLD), XTUNER_LOG_LEVEL="WARNING")
     transformers.logging.set_verbosity_error()  # its warnings about XTuner's rope keys
     torch.set_num_threads(1)
     _cpu_runtime_shims()
+
+
+def _rank_main(rank, tag, root, fn, backend):
+    _rank_environment(rank)
     # The trainer's _init_dist keeps a process group that is already initialized: a FileStore
     # in the test's directory, so no port is chosen.
     dist.init_process_group(backend, init_method=f"file://{os.path.join(root, 'store-' + tag)}",
@@ -303,3 +312,40 @@ def launch(root, arms, tokenizer_dir, data):
 
     per_rank = fork_ranks(root, arms[0].name, run_arms)
     return {arm.name: [records[arm.name] for records in per_rank] for arm in arms}
+
+
+def leader_dies(root, tokenizer_dir, data, workers, rank, out):
+    """One rank of the kill test (forked by peer_death.fork): XTuner's fit() under the switch,
+    whose SP leader rank 0 SIGKILLs itself 0.2 s after it asks for step 3's batch. Its packs take
+    FETCH_SECONDS each to read, far longer than a step, so that batch is not sent yet and its SP
+    follower waits in the loader too, where spbcast is the one to see the death; killed in the
+    middle of the model's own collectives, the follower would get the backend's error first.
+    Each survivor records what it raised (peer_death_ranks.survive)."""
+    _rank_environment(rank)
+    peer_death_ranks.join_group(rank, WORLD, out)
+    packs = sys.modules["xtuner.v1.datasets.packing"]._LegacySoftPackDataset
+    read = packs.__getitem__
+
+    def slow_read(dataset, item):
+        time.sleep(FETCH_SECONDS)
+        return read(dataset, item)
+
+    packs.__getitem__ = slow_read
+    trainer = make_trainer(Arm("dies", True, workers=workers, checkpoint_interval=None), root, tokenizer_dir, data)
+    data_iter = trainer._data_iter
+
+    def dying_data_iter():
+        batches = data_iter()
+        for step in itertools.count(1):
+            if rank == 0 and step == 3:
+                peer_death_ranks.end_myself(out, signal.SIGKILL, when=0.2)
+            batch = next(batches, None)
+            if batch is None:
+                return
+            yield batch
+
+    trainer._data_iter = dying_data_iter
+    peer_death_ranks.survive(out, rank, trainer.fit, dist.destroy_process_group)
+
+
+FETCH_SECONDS = 3.0
