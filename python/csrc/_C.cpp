@@ -347,13 +347,13 @@ struct python_keep_alive {
 
 // The same-host state of (group, root) on this rank: true when the handshake chose the
 // same-host path, false when it chose the network, None before the first broadcast that may use
-// it decided (or after close_same_host_channels). The rule
+// it decided (transport "network" decides nothing) or after close_same_host_channels. The rule
 // detail/loader/step_exchange.hpp's batches_in_shared_memory() reads.
 std::optional<bool> same_host_path(py::handle group, const std::string& group_name, int root,
                                    bool use_registry) {
     auto pg = resolve_group(group, group_name, use_registry);
     const auto state = spbcast::detail::same_host_registry::instance().find(pg.get(), root);
-    if (!state) return std::nullopt;
+    if (!state || state->watch_only) return std::nullopt;
     return state->shared;
 }
 

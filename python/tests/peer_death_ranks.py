@@ -6,6 +6,7 @@ that ends writes when it sent the signal to <out>/victim.json first.
 
     python peer_death_ranks.py RANK WORLD OUT_DIR CASE WORKERS
 CASE: leader-fetch | leader-broadcast | leader-between | follower-between | leader-stopped |
+      network-leader-between | network-follower-between (with transport="network") |
       hosts-leader-between (as leader-between; the test runs 4 ranks in two network
       namespaces, 2 a "host") |
       trainer-leader (WORLD 4: transformers' real Trainer under spbcast.accelerate.enable on the
@@ -113,10 +114,12 @@ def main():
         return DataLoader(Items(big, delay), batch_size=2, num_workers=num_workers,
                           persistent_workers=workers == "2p")
 
+    transport = "network" if case.startswith("network-") else "auto"
+    case = case.removeprefix("network-")
     victim = 1 if case.startswith("follower") else 0
     root_wait = ROOT_WAIT if case == "leader-stopped" else None
     ll = spbcast.LeaderLoader(make, None, sp_media_dedup=True, total_epoch=4, timeout=2,
-                              root_wait=root_wait, prefetch=1)
+                              root_wait=root_wait, prefetch=1, transport=transport)
 
     def loop():
         for step, batch in enumerate(ll):

@@ -42,13 +42,14 @@ from test_hosts import two_hosts  # noqa: E402,F401 - the fixture: two network n
 
 CASES = [("leader-fetch", "2"), ("leader-fetch", "2p"), ("leader-fetch", "0"),
          ("leader-broadcast", "2"), ("leader-between", "2"), ("leader-between", "2p"),
-         ("leader-between", "0"), ("follower-between", "2"), ("follower-between", "0")]
+         ("leader-between", "0"), ("follower-between", "2"), ("follower-between", "0"),
+         ("network-leader-between", "2"), ("network-follower-between", "2")]
 
 
 @pytest.mark.parametrize("case,workers", CASES, ids=[f"{c}-{w}w" for c, w in CASES])
 def test_survivors_name_the_dead_rank_within_a_second(case, workers):
     victim, records, ended, ranks = _run(case, workers)
-    dead = 1 if case.startswith("follower") else 0
+    dead = 1 if "follower" in case else 0
     assert victim["pid"] == ranks[dead].pid
     for r, rec in records.items():
         peer_death.assert_named(r, rec, ended, victim, dead, f"{case} workers={workers}")

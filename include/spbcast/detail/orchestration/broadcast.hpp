@@ -36,19 +36,23 @@ inline void check_options(const options& opts, int rank, int size) {
 
 // The same-host state of (group, root), or null: decided by the handshake, by every rank
 // together, on the first broadcast that may use it - and checked by every rank against its
-// options.transport. The root offers the handshake unless options.transport is network (or
-// automatic on a group it cannot track); a follower without a decision always looks for the
-// offer, whatever its own options, so a rank whose options.transport differs takes part in the
-// handshake and every rank raises the disagreement. The state is returned while the path is
-// shared, whatever this call's options.transport: a network call still reads the followers'
-// answers on the root and keeps the descriptor stream in step on a follower.
+// options.transport. The root offers the handshake on a group it can track (or on any group when
+// options.transport asks for the same-host path); a follower without a decision always looks
+// for the offer, whatever its own options, so a rank whose options.transport differs takes part
+// in the handshake and every rank raises the disagreement. On transport_mode::network the offer
+// is for the peer watch alone (same_host_state::watch_only): the ranks learn who is on their
+// host, and the decision of the path waits for a broadcast that may use it. The state is
+// returned while the path is shared, whatever this call's options.transport: a network call
+// still reads the followers' answers on the root and keeps the descriptor stream in step on a
+// follower.
 template <class Group>
 std::shared_ptr<same_host_state> same_host_for(Group& g, const options& opts, group_state& gstate,
                                                std::uint64_t sequence, at::Tensor& early_frame) {
     const bool is_root = g.getRank() == opts.root;
     auto& registry = same_host_registry::instance();
     auto state = registry.find(&g, opts.root);
-    if (!state) {
+    const bool watched_only = state && state->watch_only;
+    if (!state || watched_only) {
         // A user's own transport cannot be told from a later one at the same address (see
         // same_host_registry): the root offers the same-host path there only when asked for it.
         if (opts.transport == transport_mode::hierarchical && !point_to_point_group<Group>)
@@ -56,12 +60,15 @@ std::shared_ptr<same_host_state> same_host_for(Group& g, const options& opts, gr
                         "spbcast: rank " + std::to_string(g.getRank()) +
                             ": options.transport = hierarchical needs a group with send and recv (a c10d "
                             "ProcessGroup or backend); use transport_mode::automatic or network with this group");
+        const bool tracked = same_host_registry::tracked<Group>;
         const bool offers = opts.transport == transport_mode::shared_memory ||
                             opts.transport == transport_mode::hierarchical ||
-                            (opts.transport == transport_mode::automatic && same_host_registry::tracked<Group>);
+                            (opts.transport == transport_mode::automatic && tracked) ||
+                            (opts.transport == transport_mode::network && tracked && !watched_only);
         if (is_root && !offers) return nullptr;
-        state = same_host_handshake(g, opts, gstate, sequence, early_frame);
-        if (!state) return nullptr;  // the root did not offer: this broadcast, the network path
+        auto decided = same_host_handshake(g, opts, gstate, sequence, early_frame);
+        if (!decided) return nullptr;  // the root did not offer: this broadcast, the network path
+        state = std::move(decided);
         registry.put(&g, opts.root, state, same_host_registry::owner_of(g));
     }
     if (!state->shared && opts.transport == transport_mode::shared_memory)

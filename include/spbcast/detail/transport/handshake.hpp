@@ -178,13 +178,15 @@ inline std::string listen_for_followers(const host_identity& me, owned_fd& liste
 
 // Root, step 1: what it offers, and the socket followers connect to. `relays`: it offers the
 // hierarchical transport to ranks on other hosts.
+// On transport_mode::network it offers no path, only its identity (the peer watch).
 inline handshake_offer make_offer(const options& opts, const host_identity& me, bool relays, owned_fd& listener) {
     handshake_offer offer;
     offer.host = me;
     offer.transport = static_cast<std::uint32_t>(opts.transport);
     offer.relays = relays ? 1 : 0;
     std::string name;
-    const std::string why = listen_for_followers(me, listener, name);
+    const std::string why = opts.transport == transport_mode::network ? "options.transport = network"
+                                                                       : listen_for_followers(me, listener, name);
     offer.root_ok = why.empty() ? 1 : 0;
     std::strncpy(offer.name, name.c_str(), sizeof offer.name - 1);
     std::strncpy(offer.why_not, why.c_str(), sizeof offer.why_not - 1);
@@ -485,6 +487,7 @@ std::shared_ptr<same_host_state> same_host_handshake(Group& group, const options
         if (here) state->leader = host.leader;
         if (here && host.leader != rank && state->shared) state->link = std::make_shared<follower_link>(std::move(sock));
     }
+    state->watch_only = offer->transport == static_cast<std::uint32_t>(transport_mode::network);
     if (state->shared) {
         if (spans_hosts) state->hosts = std::move(decided);
     } else {

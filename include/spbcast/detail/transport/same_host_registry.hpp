@@ -41,6 +41,10 @@ struct relay_host {
 // What one rank knows about the same-host path of one (group, root).
 struct same_host_state {
     bool shared = false;       // the handshake chose the same-host path, and it has not ended
+    // The handshake of a root on transport_mode::network: it exchanged who is where, so that
+    // same-host peers are watched (peer_watch.hpp), and decided nothing about the path - a later
+    // broadcast on another transport makes the real handshake.
+    bool watch_only = false;
     std::string why_not;       // when not: the reasons, for transport_mode::shared_memory
     // Hierarchical (the group spans hosts): every host, the root's first, the same on every
     // rank; empty when every rank is on the root's host. `leader`: this rank's host leader.
