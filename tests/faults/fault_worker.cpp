@@ -16,6 +16,10 @@
 //                         group wrapper is not a c10d group, so automatic means the network path;
 //                         shared_memory makes the same-host handshake, which watches the peers
 //                         on this host: peer_watch.hpp)
+//     group=faulty        faulty: the broadcasts go through this worker's group wrapper, which
+//                         injects the fault below at a message; c10d: to the c10d group itself
+//                         (a tracked group: automatic and network make the handshake), the
+//                         fault injected before the step's broadcast (fault_call is ignored)
 //     fault_rank=-1 fault_step=0 fault_call=1 fault=kill|hang|stop
 //                         rank fault_rank, in step fault_step (1-based), just before handing its
 //                         fault_call-th message of that step to Gloo (1 = the frame; 2 = the
@@ -103,28 +107,37 @@ public:
         ++call_;
         if (armed_ && step_ == fault_step_ && call_ == fault_call_) {
             for (auto& w : earlier_) w->wait();  // what came before really left this rank
-            std::cout << "rank " << getRank() << " step " << step_ << " FAULT " << fault_
-                      << " before message " << call_ << " at " << steady_ms() << std::endl;
-            if (fault_ == "kill") ::raise(SIGKILL);
-            if (fault_ == "stop") {
-                const pid_t self = ::getpid();
-                if (::fork() == 0) {  // ends the stopped rank, as a user would
-                    std::this_thread::sleep_for(std::chrono::milliseconds(hang_ms_));
-                    ::kill(self, SIGKILL);
-                    std::_Exit(0);
-                }
-                ::raise(SIGSTOP);
-            }
-            std::this_thread::sleep_for(std::chrono::milliseconds(hang_ms_));
-            std::cout << "rank " << getRank() << " hang over, exiting" << std::endl;
-            std::_Exit(5);
+            inject();
         }
         auto work = inner_.broadcast(tensors, opts);
         earlier_.push_back(work);
         return work;
     }
 
+    // group=c10d: the broadcast goes to the c10d group itself, and the fault comes before it.
+    void before_broadcast() {
+        if (armed_ && step_ == fault_step_) inject();
+    }
+
 private:
+    [[noreturn]] void inject() {
+        std::cout << "rank " << getRank() << " step " << step_ << " FAULT " << fault_ << " before message "
+                  << call_ << " at " << steady_ms() << std::endl;
+        if (fault_ == "kill") ::raise(SIGKILL);
+        if (fault_ == "stop") {
+            const pid_t self = ::getpid();
+            if (::fork() == 0) {  // ends the stopped rank, as a user would
+                std::this_thread::sleep_for(std::chrono::milliseconds(hang_ms_));
+                ::kill(self, SIGKILL);
+                std::_Exit(0);
+            }
+            ::raise(SIGSTOP);
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(hang_ms_));
+        std::cout << "rank " << getRank() << " hang over, exiting" << std::endl;
+        std::_Exit(5);
+    }
+
     c10d::ProcessGroupGloo& inner_;
     bool armed_;
     long long fault_step_, fault_call_;
@@ -200,6 +213,7 @@ int main(int argc, char** argv) {
     }
     const bool fork_child = s.num("fork_child", 0) != 0;
     const bool exit_clean = s.get("exit", "now") == "clean";
+    const bool on_c10d_group = s.get("group", "faulty") == "c10d";
 
     int rank = -1;
     long long step = 0;
@@ -245,7 +259,12 @@ int main(int argc, char** argv) {
             if (rank == root) batch = xtuner::make_batch(profile, micro, static_cast<uint64_t>(step));
             const auto step_start = std::chrono::steady_clock::now();
             try {
-                spbcast::broadcast(batch, group, opts);
+                if (on_c10d_group) {
+                    group.before_broadcast();
+                    spbcast::broadcast(batch, *real, opts);
+                } else {
+                    spbcast::broadcast(batch, group, opts);
+                }
             } catch (const std::exception& e) {
                 if (!exit_clean) report_and_exit(e, ms_since(step_start));
                 failed = report(e, ms_since(step_start));

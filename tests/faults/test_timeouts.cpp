@@ -239,6 +239,13 @@ TEST_CASE("processes: a root killed (SIGKILL) while a forked child of it lives o
     check_death_named(results, 0, {1, 2}, spbcast_test::describe(results));
 }
 
+TEST_CASE("processes: on transport_mode::network a root killed (SIGKILL) while a forked child of it lives on is named within 1 s too") {
+    // The c10d group itself (tracked): its first broadcast made the watch-only handshake.
+    const auto results = run_workers(3, {"steps=4", "timeout_ms=20000", "transport=network", "group=c10d",
+                                         "fork_child=1", "exit=clean", "fault=kill", "fault_rank=0", "fault_step=3"});
+    check_death_named(results, 0, {1, 2}, spbcast_test::describe(results));
+}
+
 TEST_CASE("processes: a follower killed (SIGKILL) while a forked child of it lives on - the root and the other follower name it within 1 s") {
     const auto results = run_workers(3, {"steps=6", "timeout_ms=20000", "micro=4", "transport=shared_memory",
                                          "fork_child=1", "exit=clean", "fault=kill", "fault_rank=1",
