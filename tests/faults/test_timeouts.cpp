@@ -4,8 +4,9 @@
 // errc::transport) naming the broadcast number, the phase and the root, within the timeout
 // plus a small slack, and no process hangs. options.timeout is shorter than the Gloo group's
 // own timeout in every case, so it is spbcast's bound that is tested, not Gloo's default.
-// A rank killed on the same-host path is named by every survivor within a second, even while a
-// forked child of it lives on (peer_watch.hpp); a stopped one still costs the timeout.
+// A rank killed on the same-host path, or on the network path of a c10d group, is named by every
+// survivor within a second, even while a forked child of it lives on (peer_watch.hpp); a
+// stopped one still costs the timeout.
 #include "support/frames.hpp"
 #include "outcomes.hpp"
 #include "support/processes.hpp"
