@@ -5,7 +5,8 @@ every process of the host), when spbcast raised and what, into <out>/rank<r>.jso
 that ends writes when it sent the signal to <out>/victim.json first.
 
     python peer_death_ranks.py RANK WORLD OUT_DIR CASE WORKERS
-CASE: leader-fetch | leader-broadcast | leader-between | follower-between | leader-stopped |
+CASE: leader-fetch | leader-broadcast | leader-between | follower-broadcast | follower-between |
+      leader-stopped |
       network-leader-between | network-follower-between (with transport="network") |
       hosts-leader-between (as leader-between; the test runs 4 ranks in two network
       namespaces, 2 a "host") |
@@ -107,7 +108,7 @@ def main():
     torch.set_num_threads(1)
     join_group(rank, world, out)
     num_workers = 0 if workers == "0" else 2
-    big = case == "leader-broadcast"
+    big = case.endswith("-broadcast")
     delay = 0.4 if case == "leader-fetch" else 0.01
 
     def make():
@@ -126,7 +127,7 @@ def main():
             if rank == victim and step == STOP_STEP:
                 if case == "leader-fetch":
                     end_myself(out, signal.SIGKILL, when=0.2)  # the next fetch takes 0.8 s
-                elif case == "leader-broadcast":
+                elif case.endswith("-broadcast"):
                     end_myself(out, signal.SIGKILL, when=0.05)  # 16 MiB batches in flight
                 elif case == "leader-stopped":
                     end_myself(out, signal.SIGSTOP)

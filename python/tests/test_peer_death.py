@@ -1,8 +1,9 @@
 """A dead peer is named within a second, whatever holds its sockets (docs/errors.md).
 
 Real processes (3 ranks, real Gloo, a LeaderLoader over a real DataLoader with 0, 2 or 2
-persistent workers), real kills: a rank SIGKILLs itself mid-fetch, while large batches are in
-flight, or between steps (peer_death_ranks.py). Every survivor must raise spbcast's error naming
+persistent workers; the same-host path, and the network path with transport="network"), real
+kills: a leader or a follower SIGKILLs itself mid-fetch, while large batches are in flight, or
+between steps (peer_death_ranks.py). Every survivor must raise spbcast's error naming
 the dead rank, its host and how it ended within 1 s of the kill - measured in the processes
 themselves, on CLOCK_MONOTONIC - and close its loader, destroy its process group (which joins
 the backend's threads) and exit within 1 s after it, leaving no process behind. A
@@ -42,7 +43,8 @@ from test_hosts import two_hosts  # noqa: E402,F401 - the fixture: two network n
 
 CASES = [("leader-fetch", "2"), ("leader-fetch", "2p"), ("leader-fetch", "0"),
          ("leader-broadcast", "2"), ("leader-between", "2"), ("leader-between", "2p"),
-         ("leader-between", "0"), ("follower-between", "2"), ("follower-between", "0"),
+         ("leader-between", "0"), ("follower-broadcast", "2"), ("follower-between", "2"),
+         ("follower-between", "0"),
          ("network-leader-between", "2"), ("network-follower-between", "2")]
 
 
