@@ -16,6 +16,8 @@ import tempfile
 import time
 import traceback
 
+import peer_death_ranks
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -119,19 +121,11 @@ def no_process_left(ranks, wait=15):
     sessions = {p.pid for p in ranks}
     end = time.monotonic() + wait
     while True:
-        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _session(pid) in sessions]
+        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and peer_death_ranks.proc_stat(pid, 3) in sessions]
         if not left:
             return
         assert time.monotonic() < end, f"processes left behind: {left}"
         time.sleep(0.1)
-
-
-def _session(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[3])
-    except (OSError, IndexError, ValueError):
-        return -1
 
 
 def assert_named(rank, record, ended, victim, dead, what):

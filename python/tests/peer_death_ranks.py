@@ -160,15 +160,17 @@ def survive(out, rank, body, close):
     except Exception as e:  # noqa: BLE001 - the test judges what it was (spbcast's, or the backend's)
         record.update(error=str(e), type=type(e).__name__, code=getattr(e, "code", None), at=time.monotonic())
     close()
-    record["children"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(p) == os.getpid())
+    record["children"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and proc_stat(p, 1) == os.getpid())
     _write(os.path.join(out, f"rank{rank}.json"), record)
     os._exit(0)
 
 
-def _parent(pid):
+def proc_stat(pid, field):
+    """Field ``field`` of /proc/<pid>/stat after the command's name (1: the parent, 3: the
+    session), as an int; -1 for a process that is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
+            return int(f.read().rsplit(")", 1)[1].split()[field])
     except (OSError, IndexError, ValueError):
         return -1
 

@@ -22,7 +22,6 @@ import os
 import signal
 import sys
 import time
-import traceback
 import types
 
 import xtuner_pipeline as xp  # noqa: F401 - XTuner's data code, its datasets package bare
@@ -58,6 +57,7 @@ from xtuner.v1.model.dense.qwen3 import Qwen3DenseConfig  # noqa: E402
 from xtuner.v1.module.attention import MHAConfig  # noqa: E402
 from xtuner.v1.train.trainer import LoadCheckpointConfig, Trainer  # noqa: E402
 
+import peer_death  # noqa: E402
 import peer_death_ranks  # noqa: E402
 import spbcast  # noqa: E402
 import spbcast.xtuner  # noqa: E402
@@ -264,20 +264,8 @@ def fork_ranks(root, tag, fn, backend="gloo", timeout=240):
     the others and fails with every failed rank's traceback."""
     children = {}
     for rank in range(WORLD):
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                _rank_main(rank, tag, root, fn, backend)
-            except BaseException:
-                with open(os.path.join(root, f"error-{tag}-rank{rank}.txt"), "w") as f:
-                    f.write(traceback.format_exc())
-                code = 1
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        children[pid] = rank
+        child = peer_death.ForkedRank(rank, lambda r, out: _rank_main(r, tag, root, fn, backend), root)
+        children[child.pid] = rank
     failed, deadline = [], time.monotonic() + timeout
     while children:
         pid, status = os.waitpid(-1, os.WNOHANG)
@@ -295,7 +283,7 @@ def fork_ranks(root, tag, fn, backend="gloo", timeout=240):
                 os.kill(p, signal.SIGKILL)
     if failed:
         errors = [f"--- rank {rank}:\n" + open(path).read() for rank in range(WORLD)
-                  if os.path.exists(path := os.path.join(root, f"error-{tag}-rank{rank}.txt"))]
+                  if os.path.exists(path := os.path.join(root, f"error-rank{rank}.txt"))]
         raise AssertionError("; ".join(failed) + ":\n" + "\n".join(errors))
     return [torch.load(os.path.join(root, f"result-{tag}-rank{r}.pt"), weights_only=False)
             for r in range(WORLD)]
