@@ -8,7 +8,9 @@
 #      30 realistic batches from a root on host A, then 30 from a root on host B, each checked
 #      bit-exact on every rank (the worker compares spbcast::digest with the batch it rebuilds
 #      itself).
-#   2. cut link: ranks broadcast a batch every 100 ms; after a few steps the link goes down
+#   2. dead root: rank 0 is killed, a forked child of it living on; every survivor names it
+#      within 1 s, those of host B from the group's store (the link unimpaired from here on).
+#   3. cut link: ranks broadcast a batch every 100 ms; after a few steps the link goes down
 #      (ip link set down); every rank must raise a spbcast error - none may hang - within
 #      a bound derived from options.timeout; each rank's time from the cut is printed.
 #
@@ -127,6 +129,45 @@ for ns in "$NS_A" "$NS_B"; do
     ip netns exec "$ns" nft list table inet spbcast_loss 2> /dev/null | grep -o 'counter packets [0-9]*' \
         | sed "s/^/netns_test: $ns dropped /"
 done
+
+# ---- a dead rank named on the other host ------------------------------------------------------
+# The broadcasts on the c10d group itself (automatic: the hierarchical path, rank 2 leading host
+# B), the store served by a process of its own (torchrun's agent), each rank with a forked child
+# that outlives it. Rank 0 kills itself before step 3: rank 1, on its host, names it from the
+# kernel's notice; ranks 2 and 3 from the group's store, where rank 1 wrote it (death_board.hpp);
+# each within 1 s of the kill (CLOCK_MONOTONIC, one clock for every namespace). Without the
+# impairment, which would time the lossy link instead.
+for ns_dev in "$NS_A $VETH_A" "$NS_B $VETH_B"; do
+    set -- $ns_dev
+    ip netns exec "$1" tc qdisc del dev "$2" root 2> /dev/null
+    ip netns exec "$1" nft delete table inet spbcast_loss 2> /dev/null
+done
+echo "netns_test: dead root: killed before step 3, its forked child living on; the link unimpaired"
+ip netns exec "$NS_A" env MASTER_ADDR=$ADDR_A timeout -s KILL 100 "$WORKER" serve_store=29450 serve_ms=90000 \
+    > "$WORK/store.log" 2>&1 &
+store_pid=$!
+sleep 0.5
+start=$(now_ms)
+TORCHELASTIC_USE_AGENT_STORE=True start_ranks 29450 steps=6 root=0 profile=text micro=1 timeout_ms=20000 \
+    group_timeout_ms=60000 group=c10d fork_child=1 exit=clean fault=kill fault_rank=0 fault_step=3
+wait_ranks "$start" 90 || { show_logs; fail "a rank hung after the root was killed"; }
+kill "$store_pid" 2> /dev/null
+wait "$store_pid" 2> /dev/null
+killed=$(grep -o "FAULT kill before message [0-9]* at [0-9]*" "$WORK/rank0.log" | grep -o "[0-9]*$")
+[ -n "$killed" ] || { show_logs; fail "rank 0 did not kill itself"; }
+while read -r rank code ms; do
+    [ "$rank" = 0 ] && { [ "$code" = 137 ] || { status=1; echo "netns_test:   rank 0 ended with $code, not SIGKILL"; }; continue; }
+    what=$(grep -m1 "^SPBCAST_WHAT" "$WORK/rank$rank.log" | cut -c14-)
+    raised=$(grep -m1 "^SPBCAST_AT" "$WORK/rank$rank.log" | cut -c12-)
+    took=$(( ${raised:-999999999} - killed ))
+    echo "netns_test:   rank $rank: exit $code, raised $took ms after the kill: ${what:0:300}"
+    if [ "$code" != 3 ] || [ "$took" -gt 1000 ] || [ "$took" -lt 0 ]; then status=1; fi
+    case "$what" in *"rank 0 (RANK=0, host "*") exited"*) ;; *) status=1; echo "netns_test:   rank $rank did not name rank 0" ;; esac
+    if [ "$rank" -ge 2 ]; then
+        case "$what" in *"as its host's ranks tell"*) ;; *) status=1; echo "netns_test:   rank $rank: not from its store" ;; esac
+    fi
+done < <(sort -n "$WORK/exits")
+[ $status = 0 ] || { show_logs; fail "a dead root was not named within 1 s on both hosts"; }
 
 # ---- cut -------------------------------------------------------------------------------------
 # Every rank's wait is bounded by options.timeout (+2 s grace in collective.hpp). A rank that

@@ -35,6 +35,10 @@
 //                         from main, destroying the Gloo group and the store (how soon the
 //                         survivor's process can end after its error)
 //
+//   spbcast_fault_worker serve_store=<port> [serve_ms=120000]
+//                         serves the job's TCPStore on MASTER_ADDR:<port>, as torchrun's agent
+//                         does for ranks started with TORCHELASTIC_USE_AGENT_STORE=True
+//
 //   spbcast_fault_worker replay=<file> type=tensors|ivalue|xtuner
 //                         replays a recording (support/frames.hpp: save_messages) into a
 //                         follower of that batch type, with no network, and prints
@@ -193,6 +197,19 @@ int main(int argc, char** argv) {
                 std::cout << "REPLAY other_exception " << one_line(r.message) << std::endl;
                 return 4;
         }
+    }
+    if (s.values.count("serve_store")) {
+        // torchrun's agent: it serves the job's store, which then outlives any rank (the ranks
+        // run with TORCHELASTIC_USE_AGENT_STORE=True), until this process is ended.
+        c10d::TCPStoreOptions store_opts;
+        store_opts.port = static_cast<std::uint16_t>(s.num("serve_store", 0));
+        store_opts.isServer = true;
+        store_opts.waitWorkers = false;
+        const char* addr = std::getenv("MASTER_ADDR");
+        c10d::TCPStore store(addr ? addr : "127.0.0.1", store_opts);
+        std::cout << "store serving on port " << store_opts.port << std::endl;
+        std::this_thread::sleep_for(std::chrono::milliseconds(s.num("serve_ms", 120000)));
+        return 0;
     }
     const long long steps = s.num("steps", 5), root = s.num("root", 0);
     const auto profile = xtuner::profile_from_name(s.get("profile", "text"));

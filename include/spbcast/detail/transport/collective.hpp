@@ -239,10 +239,21 @@ private:
             peer_died(phase, death);
     }
 
-    [[noreturn]] void peer_died(const std::string& phase, const std::string& death) {
+    // `death`: a peer of this host that exited. It may have left after its own error, caused by
+    // another rank's death that the group's board told first: that one is named then.
+    [[noreturn]] void peer_died(const std::string& phase, const std::string& death, const std::string& backend = {}) {
+        std::string cause = death;
+        if (state_.board) {
+            const std::string told = state_.board->told();
+            auto who = [](const std::string& d) { return d.substr(0, d.find(')') + 1); };
+            if (!told.empty() && who(told) != who(death)) cause = told + ", as its host's ranks tell";
+        }
+        raise_death(phase, cause + (backend.empty() ? "" : " (" + backend + ")"));
+    }
+
+    [[noreturn]] void raise_death(const std::string& phase, const std::string& named) {
         break_group(errc::transport,
-                    where() + " failed in phase '" + phase + "': " + death +
-                        "\nThe group is unusable now - restart the job.",
+                    where() + " failed in phase '" + phase + "': " + named + "\nThe group is unusable now - restart the job.",
                     phase);
     }
 
@@ -268,11 +279,11 @@ private:
             const std::string death = peer_watch::instance().wait(
                 state_.peers, std::chrono::steady_clock::now() + death_notice_wait, [] { return false; },
                 peer_watch::any_exit);
-            if (!death.empty()) peer_died(phase, death + " (" + what + ")");
+            if (!death.empty()) peer_died(phase, death, what);
         }
         if (!timed_out && state_.board) {
             const std::string death = state_.board->read(state_.peers.empty() ? death_notice_wait : board_extra_wait);
-            if (!death.empty()) peer_died(phase, death + ", as its host's ranks tell (" + what + ")");
+            if (!death.empty()) raise_death(phase, death + ", as its host's ranks tell (" + what + ")");
         }
         break_group(timed_out ? errc::timeout : errc::transport,
                     where() + " failed in phase '" + phase + "' (" +

@@ -11,9 +11,14 @@
 //
 // A group lends its store where it has one to lend: a c10d ProcessGroup of LibTorch 2.x
 // (getStore(): the group's prefixed store, as Python's init_process_group and new_group make
-// it), or a ProcessGroupGloo held by a c10::intrusive_ptr (its Gloo view of the store; where
-// LibTorch's headers declare it). Either is held by a weak reference, so the board keeps
-// nothing alive: a store or group gone tells and reads nothing.
+// it), or a ProcessGroupGloo (the c10d store inside its Gloo view of it, GlooStore; where
+// LibTorch's headers declare it). The board holds it by a weak reference, so it keeps nothing
+// alive: a store gone tells and reads nothing.
+//
+// The board never waits on the store: a timed-out wait leaves a TCPStore client's connection
+// out of step (the server answers that wait later, when the key is set, and the next request
+// reads that answer as its own), so later requests of the process could hang. It asks with
+// check(), which the server answers at once, and polls.
 #pragma once
 
 #include "../base/version.hpp"
@@ -28,14 +33,25 @@
 #endif
 
 #include <chrono>
-#include <exception>
-#include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
 namespace spbcast::detail {
+
+#if SPBCAST_DEATH_BOARD_GLOO
+// The c10d store a ProcessGroupGloo wraps in its GlooStore, which is the only store it makes (a
+// LibTorch internal: GlooStore's member store_, protected in every version, reached through a
+// pointer to member named in a derived class; a cast without RTTI, which would need libgloo).
+struct gloo_store_access : c10d::ProcessGroupGloo::GlooStore {
+    static c10::intrusive_ptr<c10d::Store> of(::gloo::rendezvous::Store* store) {
+        if (!store) return {};
+        return static_cast<c10d::ProcessGroupGloo::GlooStore*>(store)->*(&gloo_store_access::store_);
+    }
+};
+#endif
 
 class death_board {
 public:
@@ -44,71 +60,57 @@ public:
     static std::shared_ptr<death_board> of(Group& group) {
         using G = std::remove_cvref_t<Group>;
         auto& g = const_cast<G&>(group);
+        c10::intrusive_ptr<c10d::Store> store;
         if constexpr (requires { g.getStore(); }) {
-            auto store = g.getStore();
-            if (!store) return nullptr;
-            c10::weak_intrusive_ptr<c10d::Store> weak(store);
-            return std::make_shared<death_board>(
-                [weak](const std::vector<std::uint8_t>& v) {
-                    if (auto s = weak.lock()) s->set(key, v);
-                },
-                [weak](std::chrono::milliseconds wait) -> std::vector<std::uint8_t> {
-                    auto s = weak.lock();
-                    if (!s) return {};
-                    s->wait({key}, wait);
-                    return s->get(key);
-                });
+            store = g.getStore();
         }
 #if SPBCAST_DEATH_BOARD_GLOO
         else if constexpr (std::is_base_of_v<c10d::ProcessGroupGloo, G>) {
-            if (c10::raw::intrusive_ptr::use_count(&g) == 0) return nullptr;  // not held by an intrusive_ptr
-            c10::weak_intrusive_ptr<c10d::ProcessGroupGloo> weak(
-                c10::intrusive_ptr<c10d::ProcessGroupGloo>::reclaim_copy(&g));
-            return std::make_shared<death_board>(
-                [weak](const std::vector<std::uint8_t>& v) {
-                    if (auto pg = weak.lock()) pg->_getStore()->set(key, std::vector<char>(v.begin(), v.end()));
-                },
-                [weak](std::chrono::milliseconds wait) -> std::vector<std::uint8_t> {
-                    auto pg = weak.lock();
-                    if (!pg) return {};
-                    pg->_getStore()->wait({key}, wait);
-                    const auto v = pg->_getStore()->get(key);
-                    return {v.begin(), v.end()};
-                });
+            store = gloo_store_access::of(g._getStore().get());
         }
 #endif
-        else {
-            return nullptr;
-        }
+        if (!store) return nullptr;
+        return std::make_shared<death_board>(c10::weak_intrusive_ptr<c10d::Store>(store));
     }
 
-    death_board(std::function<void(const std::vector<std::uint8_t>&)> set,
-                std::function<std::vector<std::uint8_t>(std::chrono::milliseconds)> wait_and_get)
-        : set_(std::move(set)), wait_and_get_(std::move(wait_and_get)) {}
+    explicit death_board(c10::weak_intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
 
     // Tells the other hosts that a rank died (`death`: "rank 0 (RANK=0, host h1, pid 42)
-    // exited: ..."). Called by the watch thread; a store that cannot be reached tells nothing.
+    // exited: ..."), unless a death is told already: the first is the cause, and a rank that
+    // left after its own error (which that death caused) must not take its place. Called by the
+    // watch thread; a store that cannot be reached tells nothing.
     void post(const std::string& death) noexcept {
         try {
-            set_(std::vector<std::uint8_t>(death.begin(), death.end()));
+            if (auto s = store_.lock(); s && !s->check({key})) s->set(key, std::vector<std::uint8_t>(death.begin(), death.end()));
         } catch (...) {
         }
     }
 
-    // The death another host told, waiting up to `wait` for it; empty when none came.
-    std::string read(std::chrono::milliseconds wait) noexcept {
+    // The death told so far; empty when none (or the store cannot be reached).
+    std::string told() noexcept {
         try {
-            const auto v = wait_and_get_(wait);
+            auto s = store_.lock();
+            if (!s || !s->check({key})) return {};
+            const auto v = s->get(key);
             return std::string(v.begin(), v.end());
         } catch (...) {
             return {};
         }
     }
 
+    // The death another host told, waiting up to `wait` for it; empty when none came.
+    std::string read(std::chrono::milliseconds wait) noexcept {
+        const auto deadline = std::chrono::steady_clock::now() + wait;
+        for (;;) {
+            if (std::string death = told(); !death.empty()) return death;
+            if (std::chrono::steady_clock::now() >= deadline || store_.expired()) return {};
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+    }
+
 private:
     static constexpr const char* key = "spbcast/peer_death";
-    std::function<void(const std::vector<std::uint8_t>&)> set_;
-    std::function<std::vector<std::uint8_t>(std::chrono::milliseconds)> wait_and_get_;
+    c10::weak_intrusive_ptr<c10d::Store> store_;
 };
 
 }  // namespace spbcast::detail
