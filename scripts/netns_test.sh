@@ -56,6 +56,11 @@ impair() {  # <ns> <dev>
     fi
 }
 
+unimpair() {  # <ns> <dev>: what impair added, gone
+    ip netns exec "$1" tc qdisc del dev "$2" root 2> /dev/null
+    ip netns exec "$1" nft delete table inet spbcast_loss 2> /dev/null
+}
+
 # Starts 4 ranks (0, 1 on host A; 2, 3 on host B) with the given worker arguments.
 start_ranks() {
     local port=$1; shift
@@ -137,11 +142,8 @@ done
 # kernel's notice; ranks 2 and 3 from the group's store, where rank 1 wrote it (death_board.hpp);
 # each within 1 s of the kill (CLOCK_MONOTONIC, one clock for every namespace). Without the
 # impairment, which would time the lossy link instead.
-for ns_dev in "$NS_A $VETH_A" "$NS_B $VETH_B"; do
-    set -- $ns_dev
-    ip netns exec "$1" tc qdisc del dev "$2" root 2> /dev/null
-    ip netns exec "$1" nft delete table inet spbcast_loss 2> /dev/null
-done
+unimpair "$NS_A" "$VETH_A"
+unimpair "$NS_B" "$VETH_B"
 echo "netns_test: dead root: killed before step 3, its forked child living on; the link unimpaired"
 ip netns exec "$NS_A" env MASTER_ADDR=$ADDR_A timeout -s KILL 100 "$WORKER" serve_store=29450 serve_ms=90000 \
     > "$WORK/store.log" 2>&1 &

@@ -130,8 +130,8 @@ def no_process_left(ranks, wait=15):
 
 def assert_named(rank, record, ended, victim, dead, what):
     """The survivor ``rank`` raised spbcast's TransportError naming the dead rank ``dead`` (this
-    host, its pid, SIGKILL) within 1 s of the kill, and exited within 1 s after it. Returns the
-    two times, for the test's printed line."""
+    host, its pid, SIGKILL) within 1 s of the kill, and exited within 1 s after it; the two times
+    are printed."""
     assert record["error"] is not None, f"{what}: rank {rank} ended its loop without an error"
     assert record["type"] == "TransportError" and record["code"] == "transport", (what, rank, record)
     named = (f"rank {dead} (RANK={dead}, host {socket.gethostname()}, pid {victim['pid']}) exited: "
@@ -141,4 +141,3 @@ def assert_named(rank, record, ended, victim, dead, what):
     assert 0 <= detected < 1.0, f"{what}: rank {rank} raised {detected:.3f} s after the kill: {record['error']}"
     assert exited < 1.0, f"{what}: rank {rank} took {exited:.3f} s to exit after its error"
     print(f"{what}: rank {rank} raised {detected * 1000:.0f} ms after the kill, exited {exited * 1000:.0f} ms later")
-    return detected, exited

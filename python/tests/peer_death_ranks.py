@@ -17,7 +17,8 @@ CASE: leader-fetch | leader-broadcast | leader-between | follower-broadcast | fo
 WORKERS: 0 | 2 | 2p (persistent)
 
 The drop-ins' kill tests (energon_ranks.py, swift_ranks.py, xtuner_trainer.py) end their victim
-and record their survivors with this module's ``end_myself`` and ``survive``.
+and record their survivors with this module's ``end_myself`` and ``survive`` (and slow their
+leader's fetch with ``slow_down``).
 """
 
 import datetime
@@ -140,6 +141,19 @@ def main():
         dist.destroy_process_group()
 
     survive(out, rank, loop, close)
+
+
+def slow_down(cls, name, seconds):
+    """Makes every call of ``cls.name`` take ``seconds`` longer, in this process and the DataLoader
+    workers it forks later: a leader whose fetch is slower than a step, so that its follower waits
+    for the batch in the loader when the leader dies."""
+    method = getattr(cls, name)
+
+    def slower(obj, *args, **kwargs):
+        time.sleep(seconds)
+        return method(obj, *args, **kwargs)
+
+    setattr(cls, name, slower)
 
 
 def join_group(rank, world, out):

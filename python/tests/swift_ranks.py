@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import signal
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MODELSCOPE_OFFLINE", "1")
@@ -231,21 +230,16 @@ def run_arms(root, tag, arms, timeout=170):
 
 def leader_dies(root, workers, rank, out):
     """One rank of test_swift.py's kill test (forked by peer_death.fork): ms-swift's SP training
-    under ``spbcast.swift.enable()`` whose SP leader rank 0 SIGKILLs itself 0.1 s after optimizer
+    under ``spbcast.swift.enable()`` whose SP leader rank 0 SIGKILLs itself 0.2 s after optimizer
     step 2, while it waits for its next batch. The leader's samples take ENCODE_SECONDS each to
-    encode, longer than a step, so its SP follower waits in the loader too, where spbcast is the
-    one to see the death (killed in the middle of the model's own all-to-all, the follower
-    would get the backend's error first). Each survivor records what it raised
-    (peer_death_ranks.survive)."""
+    encode, far longer than a step (with 2 workers the third batch is ready 2 x ENCODE_SECONDS
+    after the start, step 2 ends about ENCODE_SECONDS + 2 steps after it), so its SP follower
+    waits in the loader too, where spbcast is the one to see the death; killed in the middle of
+    the model's own all-to-all, the follower would get the backend's error first. Each survivor
+    records what it raised (peer_death_ranks.survive)."""
     _environment(rank)
     peer_death_ranks.join_group(rank, WORLD, out)
-    encode = swift.dataset.utils.LazyLLMDataset.__getitem__
-
-    def slow_encode(dataset, index):
-        time.sleep(ENCODE_SECONDS)
-        return encode(dataset, index)
-
-    swift.dataset.utils.LazyLLMDataset.__getitem__ = slow_encode
+    peer_death_ranks.slow_down(swift.dataset.utils.LazyLLMDataset, "__getitem__", ENCODE_SECONDS)
 
     class Kill(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -254,7 +248,7 @@ def leader_dies(root, workers, rank, out):
 
     def train(trainer):
         trainer.add_callback(Kill())
-        peer_death_ranks.survive(out, rank, lambda: trainer.train(), torch.distributed.destroy_process_group)
+        peer_death_ranks.survive(out, rank, trainer.train, torch.distributed.destroy_process_group)
 
     spbcast.swift.enable()
     pipeline = SwiftSft(sft_arguments(Arm("dies", True, kind="train", workers=workers, max_steps=6,

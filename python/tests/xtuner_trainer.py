@@ -311,14 +311,8 @@ def leader_dies(root, tokenizer_dir, data, workers, rank, out):
     Each survivor records what it raised (peer_death_ranks.survive)."""
     _rank_environment(rank)
     peer_death_ranks.join_group(rank, WORLD, out)
-    packs = sys.modules["xtuner.v1.datasets.packing"]._LegacySoftPackDataset
-    read = packs.__getitem__
-
-    def slow_read(dataset, item):
-        time.sleep(FETCH_SECONDS)
-        return read(dataset, item)
-
-    packs.__getitem__ = slow_read
+    peer_death_ranks.slow_down(sys.modules["xtuner.v1.datasets.packing"]._LegacySoftPackDataset, "__getitem__",
+                               FETCH_SECONDS)
     trainer = make_trainer(Arm("dies", True, workers=workers, checkpoint_interval=None), root, tokenizer_dir, data)
     data_iter = trainer._data_iter
 
