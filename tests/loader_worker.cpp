@@ -132,21 +132,6 @@ int run(Loader& loader, const spbcast::dist::sp_layout& layout, int save_at, con
     return 0;
 }
 
-// Leaves only when every rank is done, rank 0 last (it serves the store under a launcher that
-// does not serve one itself), so no rank's exit resets a connection another rank still reads
-// from.
-void leave_together(c10d::Store& store, int rank, int world) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    auto wait_for = [&](const std::string& key, int64_t count) {
-        while (store.add(key, 0) < count && std::chrono::steady_clock::now() < deadline)
-            std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    };
-    store.add("finished", 1);
-    wait_for("finished", world);
-    if (rank != 0) store.add("left", 1);
-    else wait_for("left", world - 1);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -180,7 +165,7 @@ int main(int argc, char** argv) {
         if (kind == "faulty") {
             auto loader = spbcast::make_leader_loader(cfg, layout.sp_group, 1, [] { return std::make_unique<faulty_loader>(); });
             const int rc = run_skipping_errors(loader);
-            leave_together(*store, env.rank, env.world_size);
+            spbcast_test::leave_together(*store, env.rank, env.world_size);
             return rc;
         }
         if (kind == "torchdata") {
@@ -193,7 +178,7 @@ int main(int argc, char** argv) {
                 return std::make_unique<spbcast::torch_data_loader<TorchLoader>>(std::move(torch_loader), 40);
             });
             const int rc = run(loader, layout, save_at, dir);
-            leave_together(*store, env.rank, env.world_size);
+            spbcast_test::leave_together(*store, env.rank, env.world_size);
             return rc;
         }
         const bool persistent = kind == "media-persistent";
@@ -207,7 +192,7 @@ int main(int argc, char** argv) {
             loader.load_state(loader.has_loader() ? read_file(path) : std::string());
         }
         const int rc = run(loader, layout, save_at, dir);
-        leave_together(*store, env.rank, env.world_size);
+        spbcast_test::leave_together(*store, env.rank, env.world_size);
         return rc;
     } catch (const std::exception& e) {
         std::cerr << "loader worker failed: " << e.what() << "\n";

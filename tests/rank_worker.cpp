@@ -29,12 +29,12 @@ int main(int argc, char** argv) {
                       << std::dec << "\n";
             if (got != want) {
                 std::cerr << "rank " << env.rank << ": step " << step << " differs from the root's batch\n";
-                return 1;
+                return spbcast_test::leave_job(1);
             }
         }
-        return 0;
+        return spbcast_test::leave_job(0);
     } catch (const std::exception& e) {
         std::cerr << "rank worker failed: " << e.what() << "\n";
-        return 1;
+        return spbcast_test::leave_job(1);
     }
 }

@@ -414,7 +414,10 @@ int root_dies(char** argv) {
     if (env.rank == 0) batch = xtuner::make_batch(profile, 1, 5);
     spbcast::broadcast(batch, group, opts);
     barrier(group);
-    if (env.rank == 0) ::_exit(0);  // no clean-up: the kernel closes everything
+    if (env.rank == 0) {
+        spbcast_test::leave_together(*store, env.rank, env.world_size, false);  // done, dies on purpose
+        ::_exit(0);  // no clean-up: the kernel closes everything
+    }
     // The next broadcast fails: the root is gone.
     try {
         xtuner::Batch next;
@@ -1170,7 +1173,7 @@ int launch_ranks(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run_mode(int argc, char** argv) {
     if (argc < 2) {
         std::cerr << "usage: see the top of tests/shm_worker.cpp\n";
         return 2;
@@ -1201,3 +1204,5 @@ int main(int argc, char** argv) {
         return 1;
     }
 }
+
+int main(int argc, char** argv) { return spbcast_test::leave_job(run_mode(argc, argv)); }

@@ -268,6 +268,13 @@ struct joined_job {
     c10::intrusive_ptr<c10d::ProcessGroupGloo> group;  // destroyed before the store
 };
 
+// The job this process joined, kept past the case that joined it until leave_job: its group
+// must not close its connections before every rank is done (set_up.hpp, leave_together).
+inline std::optional<joined_job>& kept_job() {
+    static std::optional<joined_job> job;
+    return job;
+}
+
 // Returns once every rank of the job has its group (set_up.hpp).
 inline joined_job join_job(std::chrono::milliseconds timeout) {
     joined_job job;
@@ -275,7 +282,18 @@ inline joined_job join_job(std::chrono::milliseconds timeout) {
     job.store = spbcast::dist::make_store(job.env, timeout);
     job.group = spbcast::dist::make_gloo_group(job.store, job.env.rank, job.env.world_size, timeout);
     wait_for_set_up(*job.store, job.env.rank, job.env.world_size, timeout);
+    kept_job() = job;
     return job;
+}
+
+// A rank program's last step, with the exit code it ends with: waits for the job's other ranks
+// (not when this one failed), then lets its group and store go.
+inline int leave_job(int exit_code) {
+    if (auto& job = kept_job()) {
+        leave_together(*job->store, job->env.rank, job->env.world_size, exit_code == 0);
+        job.reset();
+    }
+    return exit_code;
 }
 
 }  // namespace spbcast_test

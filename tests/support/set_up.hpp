@@ -4,6 +4,7 @@
 // collective) and destroys its group or exits, the slower peer's construction fails with
 // "Connection closed by peer" instead of the case's own error. On a loaded machine that
 // happens. Each kit calls wait_for_set_up once its groups exist, on the store they were built on.
+// The same holds at the end, the other way round: leave_together below.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -31,6 +32,30 @@ inline void wait_for_set_up(c10d::Store& store, int rank, int world, std::chrono
                 " ms; a rank failed or hung while setting up - see its own error");
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
         arrived = store.add(key, 0);
+    }
+}
+
+// Leaves only when every rank of the job is done with its collectives, rank 0 last (it serves
+// the store unless a launcher does): Gloo fails every operation still pending on a group as soon
+// as one of its connections closes, and spbcast ends a wait when a rank of its host exits, so a
+// rank that exits at once after its last collective can fail a peer whose part of that
+// collective is still in flight. A rank that failed (or that is to die on purpose) passes
+// `wait_for_peers` false: it counts itself done and leaves at once. A store that is gone (its
+// rank failed or died) leaves nobody to wait for.
+inline void leave_together(c10d::Store& store, int rank, int world, bool wait_for_peers = true,
+                           std::chrono::milliseconds bound = std::chrono::seconds(60)) {
+    const auto deadline = std::chrono::steady_clock::now() + bound;
+    auto wait_for = [&](const std::string& key, std::int64_t count) {
+        while (store.add(key, 0) < count && std::chrono::steady_clock::now() < deadline)
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    };
+    try {
+        store.add("spbcast_test/finished", 1);
+        if (!wait_for_peers) return;
+        wait_for("spbcast_test/finished", world);
+        if (rank != 0) store.add("spbcast_test/left", 1);
+        else wait_for("spbcast_test/left", world - 1);
+    } catch (const std::exception&) {
     }
 }
 
