@@ -34,6 +34,10 @@
 //     exit=now            now: leave with _Exit right after reporting a failure; clean: return
 //                         from main, destroying the Gloo group and the store (how soon the
 //                         survivor's process can end after its error)
+//     leave=together      after the last step: together waits for every rank to be done
+//                         (set_up.hpp, leave_together); at_once exits at once, with status 0
+//     late_rank=-1 late_ms=0  rank late_rank waits late_ms before its last step's broadcast
+//     reaped=0            1: the rank runs in a child of this process, reaped the moment it ends
 //
 //   spbcast_fault_worker serve_store=<port> [serve_ms=120000]
 //                         serves the job's TCPStore on MASTER_ADDR:<port>, as torchrun's agent
@@ -60,7 +64,10 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <chrono>
 #include <cstdio>
@@ -177,6 +184,21 @@ int main(int argc, char** argv) {
         }
         s.values[arg.substr(0, eq)] = arg.substr(eq + 1);
     }
+    if (s.num("reaped", 0) != 0) {
+        // The rank runs in a child that this process reaps the moment it ends, as mp.spawn's
+        // parent does: no zombie is left to tell its peers how it ended.
+        const pid_t rank_process = ::fork();
+        if (rank_process > 0) {
+            int status = 0;
+            while (::waitpid(rank_process, &status, 0) < 0 && errno == EINTR) {
+            }
+            if (WIFSIGNALED(status)) {
+                ::signal(WTERMSIG(status), SIG_DFL);
+                ::raise(WTERMSIG(status));
+            }
+            return WEXITSTATUS(status);
+        }
+    }
     if (s.values.count("replay")) {
         const auto messages = spbcast_fault::load_messages(s.get("replay", ""));
         const std::string type = s.get("type", "tensors");
@@ -231,6 +253,9 @@ int main(int argc, char** argv) {
     const bool fork_child = s.num("fork_child", 0) != 0;
     const bool exit_clean = s.get("exit", "now") == "clean";
     const bool on_c10d_group = s.get("group", "faulty") == "c10d";
+    const bool leave_together = s.get("leave", "together") == "together";
+    const long long late_rank = s.num("late_rank", -1);
+    const auto late = std::chrono::milliseconds(s.num("late_ms", 0));
 
     int rank = -1;
     long long step = 0;
@@ -274,6 +299,7 @@ int main(int argc, char** argv) {
             group.begin_step(step);
             xtuner::Batch batch;
             if (rank == root) batch = xtuner::make_batch(profile, micro, static_cast<uint64_t>(step));
+            if (rank == late_rank && step == steps) std::this_thread::sleep_for(late);
             const auto step_start = std::chrono::steady_clock::now();
             try {
                 if (on_c10d_group) {
@@ -307,6 +333,7 @@ int main(int argc, char** argv) {
         }
         if (failed) return failed;  // the group and the store are destroyed on the way out
         std::cout << "rank " << rank << " done rss_mib " << rss_mib() << std::endl;
+        if (leave_together) spbcast_test::leave_together(*store, env.rank, env.world_size);
         return 0;
     } catch (const std::exception& e) {
         report_and_exit(e, 0);  // setting up: environment, store, group

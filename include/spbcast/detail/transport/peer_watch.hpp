@@ -12,9 +12,10 @@
 // (host_identity), and the group's state lists them (group_state::peers). One thread per
 // process sleeps in poll() on the pidfds of every watched peer and an eventfd for new ones: it
 // wakes only when a watched process dies or one is added, never per step. When one dies it
-// reads how (the exit status or signal, from /proc while the process is a zombie: a pidfd's
-// waitid works only for a parent) and wakes every wait registered here (collective.hpp), which
-// then raises an error naming the dead rank, its host and how it ended.
+// reads how (the exit status or signal: from the pidfd on Linux 6.15 and later, whoever reaped
+// the process; before, from /proc while it is a zombie, as a pidfd's waitid works only for a
+// parent) and wakes every wait registered here (collective.hpp), which then raises an error
+// naming the dead rank, its host and how it ended.
 //
 // A rank's children do not keep its connections: a process whose peers are watched makes every
 // child it forks (a DataLoader worker, a checkpoint writer) let go of the connected TCP sockets it
@@ -34,6 +35,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -79,6 +81,26 @@ inline std::optional<proc_stat> read_proc_stat(int pid) {
     st.start_time = std::stoull(f[19]);
     if (f.size() >= 50) st.exit_code = std::stoi(f[49]);
     return st;
+}
+
+// The wait status of the exited process behind `pidfd`, for any process holding the pidfd, its
+// parent or not, and after its parent reaped it: Linux 6.15's PIDFD_GET_INFO with
+// PIDFD_INFO_EXIT (<linux/pidfd.h>; defined here as the kernel's uapi has them, since older
+// headers lack them). nullopt on older kernels and while the process lives.
+struct pidfd_exit_info {  // struct pidfd_info, its first version (PIDFD_INFO_SIZE_VER0)
+    std::uint64_t mask = 0, cgroupid = 0;
+    std::uint32_t pid = 0, tgid = 0, ppid = 0, ruid = 0, rgid = 0, euid = 0, egid = 0, suid = 0, sgid = 0,
+                  fsuid = 0, fsgid = 0;
+    std::int32_t exit_code = 0;
+};
+static_assert(sizeof(pidfd_exit_info) == 64, "spbcast: struct pidfd_info's first version is 64 bytes");
+inline std::optional<int> pidfd_exit_status(int pidfd) {
+    constexpr std::uint64_t pidfd_info_exit = 1u << 3;
+    pidfd_exit_info info;
+    info.mask = pidfd_info_exit;
+    if (::ioctl(pidfd, _IOWR(0xFF, 11, pidfd_exit_info), &info) != 0 || !(info.mask & pidfd_info_exit))
+        return std::nullopt;
+    return info.exit_code;
 }
 
 // "exited with status 3", "killed by signal 9 (SIGKILL)", from a wait status.
@@ -265,13 +287,17 @@ private:
             std::vector<std::pair<std::function<void(const std::string&)>, std::string>> told;
             for (std::size_t i = 1; i < fds.size(); ++i) {
                 if (!fds[i].revents) continue;
-                // A zombie still tells its wait status until its parent reaps it.
-                const auto st = read_proc_stat(pids[i]);
+                // The pidfd tells the wait status on newer kernels; else a zombie tells it in
+                // /proc until its parent reaps it (and the pidfd may tell it by then).
                 std::lock_guard<std::mutex> lock(mutex_);
                 peer& p = peers_[pids[i]];
-                const bool known = st && st->state == 'Z' && st->start_time == p.start_time;
-                p.death = known ? "exited: " + describe_wait_status(st->exit_code) : "exited";
-                p.failed = !known || st->exit_code != 0;
+                auto status = pidfd_exit_status(p.fd);
+                if (!status)
+                    if (const auto st = read_proc_stat(pids[i]); st && st->state == 'Z' && st->start_time == p.start_time)
+                        status = st->exit_code;
+                if (!status) status = pidfd_exit_status(p.fd);
+                p.death = status ? "exited: " + describe_wait_status(*status) : "exited";
+                p.failed = !status || *status != 0;
                 ::close(p.fd);
                 p.fd = -1;
                 p.order = deaths_.fetch_add(1, std::memory_order_release) + 1;
