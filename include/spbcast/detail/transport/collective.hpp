@@ -23,6 +23,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <thread>
 #include <variant>
 #include <vector>
 
@@ -47,9 +48,11 @@ inline constexpr std::chrono::milliseconds wait_grace{2000};
 // How long a failed collective waits for the kernel to tell which peer on this host died, if
 // one did: its sockets close during its exit, a moment before the exit is reported.
 inline constexpr std::chrono::milliseconds death_notice_wait{200};
-// How much longer it waits for a death on another host, told through the group's store
-// (death_board.hpp), after it waited death_notice_wait for one on its own.
+// How much longer it waits where it also has peers on its own host: a death on another host is
+// told through the group's store (death_board.hpp) after that host's ranks saw it.
 inline constexpr std::chrono::milliseconds board_extra_wait{100};
+// How often the board is asked meanwhile (a store round trip, only once a collective failed).
+inline constexpr std::chrono::milliseconds board_poll{10};
 
 template <class Group>
 class collective {
@@ -275,15 +278,26 @@ private:
         // The backend saw the peer's sockets close: the kernel tells its death a moment later,
         // on this host, or a rank of its host writes it on the group's board for the others.
         // Not after a timeout: a peer that gave up at the same moment and left is no cause.
-        if (!timed_out && !state_.peers.empty()) {
-            const std::string death = peer_watch::instance().wait(
-                state_.peers, std::chrono::steady_clock::now() + death_notice_wait, [] { return false; },
-                peer_watch::any_exit);
-            if (!death.empty()) peer_died(phase, death, what);
-        }
-        if (!timed_out && state_.board) {
-            const std::string death = state_.board->read(state_.peers.empty() ? death_notice_wait : board_extra_wait);
-            if (!death.empty()) raise_death(phase, death + ", as its host's ranks tell (" + what + ")");
+        // Both are asked together: the kernel's notice of a death here, the board's of one there.
+        const bool local = !state_.peers.empty();
+        if (!timed_out && (local || state_.board)) {
+            const auto deadline = std::chrono::steady_clock::now() + death_notice_wait +
+                                  (local && state_.board ? board_extra_wait : std::chrono::milliseconds(0));
+            for (;;) {
+                const auto slice_end = state_.board ? std::min(std::chrono::steady_clock::now() + board_poll, deadline)
+                                                    : deadline;
+                if (local) {
+                    const std::string death = peer_watch::instance().wait(state_.peers, slice_end, [] { return false; },
+                                                                          peer_watch::any_exit);
+                    if (!death.empty()) peer_died(phase, death, what);
+                } else {
+                    std::this_thread::sleep_until(slice_end);
+                }
+                if (state_.board)
+                    if (const std::string death = state_.board->told(); !death.empty())
+                        raise_death(phase, death + ", as its host's ranks tell (" + what + ")");
+                if (std::chrono::steady_clock::now() >= deadline) break;
+            }
         }
         break_group(timed_out ? errc::timeout : errc::transport,
                     where() + " failed in phase '" + phase + "' (" +

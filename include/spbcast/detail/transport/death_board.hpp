@@ -5,8 +5,8 @@
 // store is shared by every host, and outlives a rank where it is served by the launcher
 // (torchrun's agent) or lives in a file: a rank of the dead rank's host that sees the death
 // writes its description under one key of the group's own store (the Gloo group's store is
-// already prefixed per group), and a rank whose backend failed without a death on its own host
-// waits for that key briefly before it raises, naming the dead rank. Nothing is read or written
+// already prefixed per group), and a rank whose backend failed asks for that key for a moment,
+// while it also waits for a death on its own host, before it raises (collective.hpp, fail). Nothing is read or written
 // while nobody dies.
 //
 // A group lends its store where it has one to lend: a c10d ProcessGroup of LibTorch 2.x
@@ -32,10 +32,8 @@
 #define SPBCAST_DEATH_BOARD_GLOO 0
 #endif
 
-#include <chrono>
 #include <memory>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -95,16 +93,6 @@ public:
             return std::string(v.begin(), v.end());
         } catch (...) {
             return {};
-        }
-    }
-
-    // The death another host told, waiting up to `wait` for it; empty when none came.
-    std::string read(std::chrono::milliseconds wait) noexcept {
-        const auto deadline = std::chrono::steady_clock::now() + wait;
-        for (;;) {
-            if (std::string death = told(); !death.empty()) return death;
-            if (std::chrono::steady_clock::now() >= deadline || store_.expired()) return {};
-            std::this_thread::sleep_for(std::chrono::milliseconds(5));
         }
     }
 
