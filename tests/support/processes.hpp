@@ -290,7 +290,7 @@ inline joined_job join_job(std::chrono::milliseconds timeout) {
 // (not when this one failed), then lets its group and store go.
 inline int leave_job(int exit_code) {
     if (auto& job = kept_job()) {
-        leave_together(*job->store, job->env.rank, job->env.world_size, exit_code == 0);
+        if (exit_code == 0) leave_together(*job->store, job->env.rank, job->env.world_size);
         job.reset();
     }
     return exit_code;

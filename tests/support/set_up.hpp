@@ -35,14 +35,20 @@ inline void wait_for_set_up(c10d::Store& store, int rank, int world, std::chrono
     }
 }
 
+// Counts this rank as done with the job's collectives (see leave_together), without waiting: a
+// rank about to die on purpose, so that its peers wait for it no longer.
+inline void count_as_done(c10d::Store& store) {
+    store.add("spbcast_test/finished", 1);
+}
+
 // Leaves only when every rank of the job is done with its collectives, rank 0 last (it serves
 // the store unless a launcher does): Gloo fails every operation still pending on a group as soon
 // as one of its connections closes, and spbcast ends a wait when a rank of its host exits, so a
 // rank that exits at once after its last collective can fail a peer whose part of that
-// collective is still in flight. A rank that failed (or that is to die on purpose) passes
-// `wait_for_peers` false: it counts itself done and leaves at once. A store that is gone (its
-// rank failed or died) leaves nobody to wait for.
-inline void leave_together(c10d::Store& store, int rank, int world, bool wait_for_peers = true,
+// collective is still in flight. Only a rank whose part went well calls it: one that failed
+// leaves at once, touching no store (it may be unreachable: a link cut), and a job where one
+// failed is failing anyway. A store that is gone (its rank failed or died) leaves nobody to wait for.
+inline void leave_together(c10d::Store& store, int rank, int world,
                            std::chrono::milliseconds bound = std::chrono::seconds(60)) {
     const auto deadline = std::chrono::steady_clock::now() + bound;
     auto wait_for = [&](const std::string& key, std::int64_t count) {
@@ -50,8 +56,7 @@ inline void leave_together(c10d::Store& store, int rank, int world, bool wait_fo
             std::this_thread::sleep_for(std::chrono::milliseconds(5));
     };
     try {
-        store.add("spbcast_test/finished", 1);
-        if (!wait_for_peers) return;
+        count_as_done(store);
         wait_for("spbcast_test/finished", world);
         if (rank != 0) store.add("spbcast_test/left", 1);
         else wait_for("spbcast_test/left", world - 1);
