@@ -165,7 +165,7 @@ int main(int argc, char** argv) {
         if (kind == "faulty") {
             auto loader = spbcast::make_leader_loader(cfg, layout.sp_group, 1, [] { return std::make_unique<faulty_loader>(); });
             const int rc = run_skipping_errors(loader);
-            spbcast_test::leave_together(*store, env.rank, env.world_size);
+            if (rc == 0) spbcast_test::leave_together(*store, env.rank, env.world_size);
             return rc;
         }
         if (kind == "torchdata") {
@@ -178,7 +178,7 @@ int main(int argc, char** argv) {
                 return std::make_unique<spbcast::torch_data_loader<TorchLoader>>(std::move(torch_loader), 40);
             });
             const int rc = run(loader, layout, save_at, dir);
-            spbcast_test::leave_together(*store, env.rank, env.world_size);
+            if (rc == 0) spbcast_test::leave_together(*store, env.rank, env.world_size);
             return rc;
         }
         const bool persistent = kind == "media-persistent";
@@ -192,7 +192,7 @@ int main(int argc, char** argv) {
             loader.load_state(loader.has_loader() ? read_file(path) : std::string());
         }
         const int rc = run(loader, layout, save_at, dir);
-        spbcast_test::leave_together(*store, env.rank, env.world_size);
+        if (rc == 0) spbcast_test::leave_together(*store, env.rank, env.world_size);
         return rc;
     } catch (const std::exception& e) {
         std::cerr << "loader worker failed: " << e.what() << "\n";

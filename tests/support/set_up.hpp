@@ -42,12 +42,13 @@ inline void count_as_done(c10d::Store& store) {
 }
 
 // Leaves only when every rank of the job is done with its collectives, rank 0 last (it serves
-// the store unless a launcher does): Gloo fails every operation still pending on a group as soon
-// as one of its connections closes, and spbcast ends a wait when a rank of its host exits, so a
-// rank that exits at once after its last collective can fail a peer whose part of that
-// collective is still in flight. Only a rank whose part went well calls it: one that failed
-// leaves at once, touching no store (it may be unreachable: a link cut), and a job where one
-// failed is failing anyway. A store that is gone (its rank failed or died) leaves nobody to wait for.
+// the store unless a launcher does). A rank that exits at once after its last collective can
+// fail a peer whose part of that collective is still in flight: Gloo fails the peer's operation
+// with "Connection closed by peer" where the exit closes a connection it still uses, and
+// spbcast's peer watch takes the exit for a death where its status is lost (docs/errors.md).
+// Only a rank whose part went well calls it: one that failed leaves at once, touching no store
+// (it may be unreachable: a link cut), and a job where one failed is failing anyway. A store
+// that is gone (its rank failed or died) leaves nobody to wait for.
 inline void leave_together(c10d::Store& store, int rank, int world,
                            std::chrono::milliseconds bound = std::chrono::seconds(60)) {
     const auto deadline = std::chrono::steady_clock::now() + bound;

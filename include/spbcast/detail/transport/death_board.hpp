@@ -6,8 +6,8 @@
 // (torchrun's agent) or lives in a file: a rank of the dead rank's host that sees the death
 // writes its description under one key of the group's own store (the Gloo group's store is
 // already prefixed per group), and a rank whose backend failed asks for that key for a moment,
-// while it also waits for a death on its own host, before it raises (collective.hpp, fail). Nothing is read or written
-// while nobody dies.
+// while it also waits for a death on its own host, before it raises (collective.hpp, fail).
+// Nothing is read or written while nobody dies.
 //
 // A group lends its store where it has one to lend: a c10d ProcessGroup of LibTorch 2.x
 // (getStore(): the group's prefixed store, as Python's init_process_group and new_group make
