@@ -10,7 +10,9 @@
 
 #include <iostream>
 
-int main(int argc, char** argv) {
+namespace {
+
+int run(int argc, char** argv) {
     if (argc != 5) {
         std::cerr << "usage: spbcast_rank_worker <profile> <micro_batches> <steps> <root>\n";
         return 2;
@@ -29,12 +31,16 @@ int main(int argc, char** argv) {
                       << std::dec << "\n";
             if (got != want) {
                 std::cerr << "rank " << env.rank << ": step " << step << " differs from the root's batch\n";
-                return spbcast_test::leave_job(1);
+                return 1;
             }
         }
-        return spbcast_test::leave_job(0);
+        return 0;
     } catch (const std::exception& e) {
         std::cerr << "rank worker failed: " << e.what() << "\n";
-        return spbcast_test::leave_job(1);
+        return 1;
     }
 }
+
+}  // namespace
+
+int main(int argc, char** argv) { return spbcast_test::leave_job(run(argc, argv)); }

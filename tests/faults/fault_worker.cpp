@@ -68,7 +68,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -253,7 +252,7 @@ int main(int argc, char** argv) {
     const bool fork_child = s.num("fork_child", 0) != 0;
     const bool exit_clean = s.get("exit", "now") == "clean";
     const bool on_c10d_group = s.get("group", "faulty") == "c10d";
-    const bool leave_together = s.get("leave", "together") == "together";
+    const bool waits_for_peers = s.get("leave", "together") == "together";
     const long long late_rank = s.num("late_rank", -1);
     const auto late = std::chrono::milliseconds(s.num("late_ms", 0));
 
@@ -333,7 +332,7 @@ int main(int argc, char** argv) {
         }
         if (failed) return failed;  // the group and the store are destroyed on the way out
         std::cout << "rank " << rank << " done rss_mib " << rss_mib() << std::endl;
-        if (leave_together) spbcast_test::leave_together(*store, env.rank, env.world_size);
+        if (waits_for_peers) spbcast_test::leave_together(*store, env.rank, env.world_size);
         return 0;
     } catch (const std::exception& e) {
         report_and_exit(e, 0);  // setting up: environment, store, group

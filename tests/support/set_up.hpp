@@ -17,6 +17,17 @@
 
 namespace spbcast_test {
 
+// How many ranks the counter `key` holds once it holds `count`, or at `deadline`.
+inline std::int64_t count_until(c10d::Store& store, const std::string& key, std::int64_t count,
+                                std::chrono::steady_clock::time_point deadline) {
+    std::int64_t counted = store.add(key, 0);
+    while (counted < count && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        counted = store.add(key, 0);
+    }
+    return counted;
+}
+
 // Counts this rank in under `key` and waits until all `world` ranks are, for at most `bound`.
 // A rank whose set-up failed should still call it before raising its own error, so its peers
 // go on (and fail on their own) instead of waiting out the bound.
@@ -24,15 +35,12 @@ inline void wait_for_set_up(c10d::Store& store, int rank, int world, std::chrono
                             const std::string& key = "spbcast_test/set_up") {
     const auto deadline = std::chrono::steady_clock::now() + bound;
     std::int64_t arrived = store.add(key, 1);
-    while (arrived < world) {
-        if (std::chrono::steady_clock::now() > deadline)
-            throw std::runtime_error(
-                "test kit: rank " + std::to_string(rank) + ": only " + std::to_string(arrived) + " of " +
-                std::to_string(world) + " ranks set up their groups within " + std::to_string(bound.count()) +
-                " ms; a rank failed or hung while setting up - see its own error");
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
-        arrived = store.add(key, 0);
-    }
+    if (arrived < world) arrived = count_until(store, key, world, deadline);
+    if (arrived < world)
+        throw std::runtime_error(
+            "test kit: rank " + std::to_string(rank) + ": only " + std::to_string(arrived) + " of " +
+            std::to_string(world) + " ranks set up their groups within " + std::to_string(bound.count()) +
+            " ms; a rank failed or hung while setting up - see its own error");
 }
 
 // Counts this rank as done with the job's collectives (see leave_together), without waiting: a
@@ -52,15 +60,11 @@ inline void count_as_done(c10d::Store& store) {
 inline void leave_together(c10d::Store& store, int rank, int world,
                            std::chrono::milliseconds bound = std::chrono::seconds(60)) {
     const auto deadline = std::chrono::steady_clock::now() + bound;
-    auto wait_for = [&](const std::string& key, std::int64_t count) {
-        while (store.add(key, 0) < count && std::chrono::steady_clock::now() < deadline)
-            std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    };
     try {
         count_as_done(store);
-        wait_for("spbcast_test/finished", world);
+        count_until(store, "spbcast_test/finished", world, deadline);
         if (rank != 0) store.add("spbcast_test/left", 1);
-        else wait_for("spbcast_test/left", world - 1);
+        else count_until(store, "spbcast_test/left", world - 1, deadline);
     } catch (const std::exception&) {
     }
 }
